@@ -1,0 +1,47 @@
+"""Op groups: the names policies match against, normalised so every spelling agrees.
+
+`aten.mm`, `aten.mm.default`, `torch.ops.aten.mm` and the strings "aten::mm", "aten.mm",
+"mm" all name the same op. Matching by overload packet is what makes a policy that names
+`aten.mm` impossible to miss (the selective-checkpoint fault of torch.utils.checkpoint).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+OpLike = Any  # an OpOverload, an OpOverloadPacket, or a string such as "aten::mm"
+
+
+def op_key(op: OpLike) -> str:
+    """The canonical "namespace::name" of an op, without its overload."""
+    if isinstance(op, str):
+        text = op.strip()
+        if text.startswith("torch.ops."):
+            text = text[len("torch.ops."):]
+        if "::" not in text:
+            parts = text.split(".")
+            text = "aten::" + parts[0] if len(parts) == 1 else parts[0] + "::" + parts[1]
+        return text.split(".")[0]
+    packet = getattr(op, "overloadpacket", op)
+    qualified = getattr(packet, "_qualified_op_name", None)
+    if qualified is None:
+        raise TypeError(
+            f"{op!r} is not an op: name ops as torch.ops.aten.mm, aten.mm.default or 'aten::mm'"
+        )
+    return qualified
+
+
+def op_keys(ops: Iterable[OpLike]) -> frozenset[str]:
+    return frozenset(op_key(op) for op in ops)
+
+
+# Matrix multiplies with no batch dimension: leading axes of `x[B,T,D] @ W` are folded into
+# rows, so these are what `linear`, `matmul` on 2-D weights and `x @ W` lower to.
+DOTS_NO_BATCH: frozenset[str] = op_keys(
+    ["aten::mm", "aten::addmm", "aten::mv", "aten::addmv", "aten::dot", "aten::vdot", "aten::_int_mm"]
+)
+
+# Matrix multiplies with a batch dimension: batched matmul and einsum('bij,bjk->bik').
+DOTS_BATCHED: frozenset[str] = op_keys(["aten::bmm", "aten::baddbmm", "aten::addbmm"])
+
+DOTS: frozenset[str] = DOTS_NO_BATCH | DOTS_BATCHED

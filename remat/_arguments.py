@@ -1,0 +1,179 @@
+"""Splitting one call into traced tensors and static everything-else, and its cache key.
+
+Tensor leaves of the argument pytrees become graph inputs; every other leaf is static
+(part of the cache key, so it must be hashable). Tensors the function reaches through its
+closure (captured tensors, nn.Module parameters and buffers) are collected per call, so a
+tensor that an enclosing torch.func transform differentiates is passed in, never baked in.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+
+from ._torch_internals import autocast_state, transform_levels
+
+
+@dataclass(frozen=True)
+class _Static:
+    """A whole argument declared static through static_argnums/static_argnames."""
+
+    value: Any
+
+
+@dataclass
+class Call:
+    """One call, split: the tensors to trace with and how to put the arguments back."""
+
+    tensors: list[torch.Tensor]
+    tensor_paths: list[str]
+    captured: list[torch.Tensor]
+    captured_paths: list[str]
+    static_leaves: list[Any]
+    spec: Any
+    tensor_positions: list[int]
+    key: tuple[Any, ...]
+
+    def rebuild(self, tensors: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The (args, kwargs) of this call with `tensors` in place of its tensor leaves."""
+        leaves = list(self.static_leaves)
+        for position, tensor in zip(self.tensor_positions, tensors):
+            leaves[position] = tensor
+        leaves = [leaf.value if isinstance(leaf, _Static) else leaf for leaf in leaves]
+        args, kwargs = optree.tree_unflatten(self.spec, leaves)
+        return tuple(args), dict(kwargs)
+
+
+def format_path(root: str, keys: Sequence[Any]) -> str:
+    return root + "".join(f"[{k!r}]" for k in keys)
+
+
+def _argument_names(fn: Callable[..., Any], count: int) -> list[str]:
+    """Readable roots for positional arguments: the parameter names where known."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    try:
+        params = [p.name for p in inspect.signature(fn).parameters.values() if p.kind in positional]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"args[{i}]" for i in range(count)]
+
+
+def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a traced graph depends on: shape, strides, dtype, device, needs-grad."""
+    try:
+        stride: tuple[int, ...] | None = tuple(t.stride())
+    except RuntimeError:
+        stride = None
+    return (tuple(t.shape), stride, t.dtype, t.device, needs_grad(t))
+
+
+def needs_grad(t: torch.Tensor) -> bool:
+    """Whether any autograd level (plain, or an enclosing torch.func transform) tracks `t`."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    return any(level.requires_grad for level in transform_levels(t))
+
+
+def split_call(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    static_argnums: frozenset[int],
+    static_argnames: frozenset[str],
+) -> Call:
+    """Flatten (args, kwargs) into tensors and static leaves; collect captured tensors."""
+    args = tuple(_Static(a) if (i in static_argnums or i - len(args) in static_argnums) else a for i, a in enumerate(args))
+    kwargs = {k: _Static(v) if k in static_argnames else v for k, v in kwargs.items()}
+    paths, leaves, spec = optree.tree_flatten_with_path((args, kwargs))
+    names = _argument_names(fn, len(args))
+    tensors: list[torch.Tensor] = []
+    tensor_paths: list[str] = []
+    positions: list[int] = []
+    key: list[Any] = [spec]
+    for position, (path, leaf) in enumerate(zip(paths, leaves)):
+        root = names[path[1]] if path[0] == 0 else str(path[1])
+        readable = format_path(root, path[2:])
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            tensor_paths.append(readable)
+            positions.append(position)
+            key.append(tensor_signature(leaf))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                raise TypeError(
+                    f"remat({_qualname(fn)}): argument {readable} is a {type(leaf).__name__}, which is "
+                    "neither a tensor nor hashable. Non-tensor arguments are static (part of the "
+                    "cache key), so they must be hashable: pass a tuple instead of a list, or make "
+                    "it a pytree of tensors."
+                ) from None
+            key.append((type(leaf), leaf))
+    captured, captured_paths, flags = collect_captured(fn)
+    key.extend(tensor_signature(t) for t in captured)
+    key.append(flags)
+    key.append(torch.is_grad_enabled())
+    key.append(autocast_state())
+    return Call(tensors, tensor_paths, captured, captured_paths, leaves, spec, positions, tuple(key))
+
+
+def collect_captured(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[str], tuple[Any, ...]]:
+    """Tensors `fn` can reach without being passed them, with a readable path each.
+
+    Looks through closures, bound methods, functools.partial and nn.Modules (parameters,
+    buffers, training flags). Returns the tensors, their paths, and the module flags that
+    change what the function computes.
+    """
+    found: list[torch.Tensor] = []
+    paths: list[str] = []
+    flags: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, path: str, depth: int) -> None:
+        if depth > 6 or id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+            paths.append(path)
+        elif isinstance(value, torch.nn.Module):
+            for sub_name, sub in value.named_modules():
+                flags.append((sub_name, type(sub).__name__, sub.training))
+            for name, tensor in value.named_parameters():
+                visit(tensor, f"{path}.{name}", depth + 1)
+            for name, tensor in value.named_buffers():
+                if tensor is not None:
+                    visit(tensor, f"{path}.{name}", depth + 1)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(item, f"{path}[{i}]", depth + 1)
+        elif isinstance(value, dict):
+            for k, item in value.items():
+                visit(item, f"{path}[{k!r}]", depth + 1)
+        elif isinstance(value, functools.partial):
+            visit(value.func, path, depth + 1)
+            visit(value.args, f"{path}.args", depth + 1)
+            visit(value.keywords, f"{path}.keywords", depth + 1)
+        elif inspect.ismethod(value):
+            visit(value.__self__, f"{path}.__self__" if path else "self", depth + 1)
+            visit(value.__func__, path, depth + 1)
+        elif inspect.isfunction(value):
+            closure = value.__closure__ or ()
+            for name, cell in zip(value.__code__.co_freevars, closure):
+                try:
+                    contents = cell.cell_contents
+                except ValueError:
+                    continue
+                visit(contents, name, depth + 1)
+
+    visit(fn, "self" if isinstance(fn, torch.nn.Module) else "", 0)
+    return found, paths, tuple(flags)
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__

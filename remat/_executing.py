@@ -1,0 +1,139 @@
+"""Executing: the autograd.Function that runs a partitioned forward and backward.
+
+It composes with torch.func because it is a modern autograd.Function (forward and
+setup_context apart, a generated vmap rule, a jvp rule). Kept intermediates are outputs of
+the Function, so second-order gradients flow through them.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ._partitioning import Partition, exactly, partition
+from ._torch_internals import forward_ad_active
+from ._tracing import Captured, vjp_of_graph
+
+
+class RematError(RuntimeError):
+    """remat cannot do what was asked; the message says why and what to do."""
+
+
+def _is_float(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+@dataclass
+class Plan:
+    """Everything remat needs to run one traced signature of one function."""
+
+    captured: Captured
+    part: Partition
+    diff_inputs: list[int]  # inputs that get gradients
+    float_outputs: list[int]  # outputs that receive cotangents
+    region: str
+    _higher_order: tuple[Partition, list[int], list[int]] | None = field(default=None, repr=False)
+
+    @property
+    def n_outputs(self) -> int:
+        return self.captured.n_outputs + len(self.captured.mutated)
+
+    @functools.cached_property
+    def output_values(self) -> list[Any]:
+        output = next(n for n in self.part.forward.graph.nodes if n.op == "output")
+        return [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in output.args[0]]
+
+    @functools.cached_property
+    def nondifferentiable_outputs(self) -> list[int]:
+        """Integer outputs, new values of mutated inputs, integer kept values."""
+        values = self.output_values
+        diff = set(self.float_outputs) | {j for j in range(self.n_outputs, len(values)) if _is_float(values[j])}
+        return [j for j in range(len(values)) if j not in diff]
+
+    def zeros_for(self, position: int, like: Sequence[Any]) -> torch.Tensor:
+        val = self.output_values[position]
+        device = next((t.device for t in like if isinstance(t, torch.Tensor)), val.device)
+        return torch.zeros(tuple(val.shape), dtype=val.dtype, device=device)
+
+    def higher_order(self) -> tuple[Partition, list[int], list[int]]:
+        """A backward that also takes cotangents for the kept intermediates (built once, lazily)."""
+        if self._higher_order is None:
+            values = self.output_values
+            cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
+            joint = vjp_of_graph(self.part.forward, self.captured.input_values, self.diff_inputs, cotangent_outputs)
+            outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][: len(values)]
+            chosen = [outs[j] for j in self.part.residual_outputs]
+            full = partition(joint, len(self.captured.input_values), len(values), exactly(chosen))
+            missing = [i for i in full.saved_inputs if i not in self.part.saved_inputs]
+            missing += [j for j in full.residual_outputs if j not in self.part.residual_outputs]
+            if missing:
+                raise RematError(
+                    f"remat({self.region}): this higher-order gradient needs values the policy did not "
+                    f"keep for the first-order backward (inputs/outputs {missing}). Use a policy that "
+                    "keeps more (e.g. everything_saveable) for this region."
+                )
+            order = [self.part.saved_inputs.index(i) for i in full.saved_inputs]
+            offset = len(self.part.saved_inputs)
+            order += [offset + self.part.residual_outputs.index(j) for j in full.residual_outputs]
+            self._higher_order = (full, order, cotangent_outputs)
+        return self._higher_order
+
+
+class RematFunction(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(plan: Plan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(plan.part.forward(*inputs))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        plan: Plan = inputs[0]
+        args = inputs[1:]
+        ctx.plan = plan
+        kept = [args[i] for i in plan.part.saved_inputs] + [output[j] for j in plan.part.residual_outputs]
+        ctx.save_for_backward(*kept)
+        ctx.mark_non_differentiable(*[output[j] for j in plan.nondifferentiable_outputs])
+        ctx.set_materialize_grads(False)
+        if forward_ad_active():
+            ctx.save_for_forward(*args)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        plan: Plan = ctx.plan
+        kept = ctx.saved_tensors
+        extra_grads = [grads[j] for j in range(plan.n_outputs, len(grads)) if grads[j] is not None]
+        if extra_grads:
+            full, order, cotangent_outputs = plan.higher_order()
+            cotangents = [grads[j] if grads[j] is not None else plan.zeros_for(j, kept) for j in cotangent_outputs]
+            input_grads = full.backward(*[kept[k] for k in order], *cotangents)
+        else:
+            tangents = [grads[j] if grads[j] is not None else plan.zeros_for(j, kept) for j in plan.float_outputs]
+            input_grads = plan.part.backward(*kept, *tangents)
+        result: list[torch.Tensor | None] = [None] * (len(plan.captured.input_values) + 1)
+        for i, g in zip(plan.diff_inputs, input_grads):
+            result[i + 1] = g
+        return tuple(result)
+
+    @staticmethod
+    def jvp(ctx: Any, _plan_tangent: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        plan: Plan = ctx.plan
+        args = list(ctx.saved_for_forward)
+        moving = [i for i, a in enumerate(args) if _is_float(a)]
+
+        def forward(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            full = list(args)
+            for i, v in zip(moving, values):
+                full[i] = v
+            outs = plan.part.forward(*full)
+            return tuple(o for o in outs if _is_float(o))
+
+        primals = tuple(args[i] for i in moving)
+        directions = tuple(tangents[i] if tangents[i] is not None else torch.zeros_like(args[i]) for i in moving)
+        _, out_tangents = torch.func.jvp(forward, primals, directions)
+        values = plan.output_values
+        it = iter(out_tangents)
+        return tuple(next(it) if _is_float(v) else None for v in values)

@@ -1,0 +1,256 @@
+"""Partitioning: split a joint forward+backward graph by what may be kept.
+
+The one place a policy is consulted. Backward nodes are those that feed the gradients but
+not the outputs. Walking back from every forward value that backward reads, each value is
+either an input (kept by reference), a value the policy allows (kept: a residual), or
+recomputed inside the backward graph from its own inputs. Views are never kept: their base
+is, and the view is recomputed for free. Random ops are always kept, so recompute never
+redraws them.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import optree
+import torch
+import torch.fx
+
+from ._naming import node_name
+from ._tracing import SOURCE_KEY
+
+Decide = Callable[[torch.fx.Node], bool]
+
+# Ops that read only the shape, dtype and device of their tensor argument.
+_METADATA_ONLY = {
+    torch.ops.aten.zeros_like.default: 0.0,
+    torch.ops.aten.ones_like.default: 1.0,
+    torch.ops.aten.empty_like.default: 0.0,
+    torch.ops.aten.new_zeros.default: 0.0,
+    torch.ops.aten.new_ones.default: 1.0,
+    torch.ops.aten.new_empty.default: 0.0,
+}
+
+
+@dataclass(frozen=True)
+class KeptValue:
+    """One intermediate the forward keeps for backward, described for people."""
+
+    op: Any
+    name: str | None
+    source: str | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Partition:
+    forward: torch.fx.GraphModule  # inputs -> outputs, then the residuals that are not outputs
+    backward: torch.fx.GraphModule  # kept inputs, residuals, tangents -> gradients
+    saved_inputs: list[int]
+    residual_outputs: list[int]  # where each residual sits among forward's outputs
+    kept: list[KeptValue]
+    recomputed: list[torch.fx.Node]
+
+
+def producer(node: torch.fx.Node) -> torch.fx.Node:
+    """The op node behind `node`: its parent for a getitem of a multi-output op."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0]  # type: ignore[return-value]
+    return node
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    op = producer(node).target
+    return isinstance(op, torch._ops.OpOverload) and op.is_view
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    op = producer(node).target
+    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+
+
+def _view_root(node: torch.fx.Node) -> torch.fx.Node:
+    while node.op == "call_function" and is_view(node):
+        node = producer(node).args[0]  # type: ignore[assignment]
+    return node
+
+
+def _ancestors(roots: Iterable[Any], stop: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    found: set[torch.fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, torch.fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node in found or node in stop:
+            continue
+        found.add(node)
+        stack.extend(node.all_input_nodes)
+    return found
+
+
+def _metadata_only_to_factory(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
+    """`zeros_like(x)` in backward would keep x alive for its shape: build zeros from the shape."""
+    for node in nodes:
+        fill = _METADATA_ONLY.get(node.target)  # type: ignore[call-overload]
+        if fill is None:
+            continue
+        val = node.meta["val"]
+        with graph.inserting_before(node):
+            new = graph.call_function(
+                torch.ops.aten.full.default,
+                (list(val.shape), fill),
+                {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
+            )
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
+def partition(joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int, decide: Decide) -> Partition:
+    """Split `joint` (inputs, tangents -> outputs, gradients) into forward and backward."""
+    graph = joint.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    inputs, tangents = placeholders[:n_inputs], placeholders[n_inputs:]
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs, grads = list(output.args[0][:n_outputs]), list(output.args[0][n_outputs:])
+    input_set = set(inputs)
+
+    forward_nodes = _ancestors(outs, set(placeholders))
+    backward_nodes = _ancestors(grads, set(placeholders)) - forward_nodes
+    _metadata_only_to_factory(graph, [n for n in graph.nodes if n in backward_nodes])
+    backward_nodes = _ancestors(grads := list(output.args[0][n_outputs:]), set(placeholders)) - forward_nodes
+    if _ancestors(outs, set(inputs)) & set(tangents):
+        raise AssertionError("remat: a forward output depends on a tangent; please report this bug")
+
+    needed: list[torch.fx.Node] = []
+    for node in graph.nodes:
+        if node in backward_nodes:
+            needed.extend(i for i in node.all_input_nodes if i in forward_nodes or i in input_set)
+    needed.extend(g for g in grads if isinstance(g, torch.fx.Node) and (g in forward_nodes or g in input_set))
+
+    allowed = _allowed(graph, forward_nodes, decide)
+    saved_inputs: set[torch.fx.Node] = set()
+    residuals: set[torch.fx.Node] = set()
+    recompute: set[torch.fx.Node] = set()
+    stack = list(needed)
+    while stack:
+        node = stack.pop()
+        if node in saved_inputs or node in residuals or node in recompute:
+            continue
+        if node in input_set:
+            saved_inputs.add(node)
+        elif node.op == "get_attr":
+            recompute.add(node)
+        elif not is_view(node) and (node in allowed or producer(node) in allowed) and not _is_tuple(node):
+            residuals.add(node)
+        else:
+            recompute.add(node)
+            stack.extend(node.all_input_nodes)
+
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    saved_list = sorted(saved_inputs, key=order.__getitem__)
+    residual_list = sorted(residuals, key=order.__getitem__)
+
+    forward_graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in inputs:
+        env[node] = forward_graph.node_copy(node)
+    keep_forward = _ancestors(list(outs) + residual_list, set(placeholders))
+    for node in graph.nodes:
+        if node in keep_forward:
+            env[node] = forward_graph.node_copy(node, env.__getitem__)
+    out_positions = {node: i for i, node in reversed(list(enumerate(outs))) if isinstance(node, torch.fx.Node)}
+    extra = [r for r in residual_list if r not in out_positions]
+    forward_graph.output([env[o] if isinstance(o, torch.fx.Node) else o for o in outs] + [env[r] for r in extra])
+    residual_outputs = [out_positions[r] if r in out_positions else n_outputs + extra.index(r) for r in residual_list]
+
+    backward_graph = torch.fx.Graph()
+    benv: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in saved_list + residual_list + list(tangents):
+        benv[node] = backward_graph.placeholder(node.name)
+        benv[node].meta = dict(node.meta)
+    for node in graph.nodes:
+        if node in recompute or node in backward_nodes:
+            benv[node] = backward_graph.node_copy(node, benv.__getitem__)
+    backward_graph.output([benv[g] if isinstance(g, torch.fx.Node) else g for g in grads])
+
+    return Partition(
+        forward=torch.fx.GraphModule(joint, forward_graph),
+        backward=torch.fx.GraphModule(joint, backward_graph),
+        saved_inputs=[inputs.index(n) for n in saved_list],
+        residual_outputs=residual_outputs,
+        kept=[_describe(r) for r in residual_list],
+        recomputed=[n for n in graph.nodes if n in recompute and n.op == "call_function"],
+    )
+
+
+def _is_tuple(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def _allowed(graph: torch.fx.Graph, forward_nodes: set[torch.fx.Node], decide: Decide) -> set[torch.fx.Node]:
+    """The forward values that may be kept: policy-approved, random, or the base of an approved view."""
+    allowed: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node not in forward_nodes or node.op != "call_function" or node.target is operator.getitem:
+            continue
+        if is_random(node):
+            allowed.add(node)
+        elif decide(node):
+            if is_view(node):
+                root = _view_root(node)
+                if root.op == "call_function":
+                    allowed.add(producer(root))
+            else:
+                allowed.add(node)
+    return allowed
+
+
+def _describe(node: torch.fx.Node) -> KeptValue:
+    val = node.meta["val"]
+    custom = node.meta.get("custom", {}) or producer(node).meta.get("custom", {})
+    return KeptValue(
+        op=producer(node).target,
+        name=node_name(node) or node_name(producer(node)),
+        source=custom.get(SOURCE_KEY),
+        shape=tuple(val.shape),
+        dtype=val.dtype,
+    )
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        val = value.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device="meta")
+        return val
+    return value
+
+
+def policy_decider(policy: Callable[..., Any]) -> Decide:
+    """Ask `policy` about one node, with data-free meta tensors; insist on a bool."""
+
+    def decide(node: torch.fx.Node) -> bool:
+        op = node.target
+        args = optree.tree_map(_to_meta, node.args, is_leaf=lambda x: isinstance(x, torch.fx.Node), none_is_leaf=True)
+        kwargs = optree.tree_map(_to_meta, node.kwargs, is_leaf=lambda x: isinstance(x, torch.fx.Node), none_is_leaf=True)
+        name = node_name(node)
+        if name is not None:
+            kwargs = {**kwargs, "name": name}
+        answer = policy(op, *args, **kwargs)
+        if not isinstance(answer, bool):
+            raise TypeError(
+                f"remat policy {policy!r} returned {answer!r} ({type(answer).__name__}) for op {op}; "
+                "a policy must return True (may keep) or False (recompute)."
+            )
+        return answer
+
+    return decide
+
+
+def exactly(nodes: Sequence[torch.fx.Node]) -> Decide:
+    """A decider that keeps exactly these nodes (used to rebuild a backward for a fixed forward)."""
+    chosen = set(nodes)
+    return chosen.__contains__

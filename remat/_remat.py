@@ -1,0 +1,161 @@
+"""The `remat` decorator: split the call, find or build a plan, run it."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Iterable
+
+import optree
+import torch
+
+from ._arguments import Call, split_call
+from ._executing import Plan, RematFunction
+from ._inspecting import record
+from ._partitioning import partition, policy_decider
+from ._tracing import capture, differentiate
+
+
+def _normalise_argnums(static_argnums: int | Iterable[int]) -> frozenset[int]:
+    if isinstance(static_argnums, int):
+        return frozenset([static_argnums])
+    return frozenset(static_argnums)
+
+
+def _normalise_argnames(static_argnames: str | Iterable[str]) -> frozenset[str]:
+    if isinstance(static_argnames, str):
+        return frozenset([static_argnames])
+    return frozenset(static_argnames)
+
+
+def region_name(fn: Callable[..., Any]) -> str:
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__qualname__
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+class Rematerialized:
+    """A function that recomputes, in backward, what its policy did not keep.
+
+    Built by `remat`; call it like the function it wraps. `cache_info()` says how often it
+    traced.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        policy: Callable[..., bool] | None,
+        static_argnums: int | Iterable[int],
+        static_argnames: str | Iterable[str],
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"remat: expected a function or nn.Module to wrap, got {fn!r}")
+        if policy is not None and not callable(policy):
+            raise TypeError(
+                f"remat: policy must be a callable policy(op, *args, **kwargs) -> bool such as "
+                f"remat.policies.dots_saveable, got {policy!r}"
+            )
+        self.fn = fn
+        self.policy = policy
+        self.static_argnums = _normalise_argnums(static_argnums)
+        self.static_argnames = _normalise_argnames(static_argnames)
+        self.region = region_name(fn)
+        self._plans: dict[Any, Plan | None] = {}
+        self._hits = 0
+        self._traces = 0
+        for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
+            if hasattr(fn, attribute):
+                setattr(self, attribute, getattr(fn, attribute))
+        self.__wrapped__ = fn
+
+    def __repr__(self) -> str:
+        return f"remat({self.region}, policy={self.policy!r})"
+
+    def cache_info(self) -> dict[str, int]:
+        """Calls that reused a traced plan, traces made, plans held."""
+        return {"hits": self._hits, "traces": self._traces, "size": len(self._plans)}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.fn(*args, **kwargs)
+        call = split_call(self.fn, args, kwargs, self.static_argnums, self.static_argnames)
+        if call.key in self._plans:
+            self._hits += 1
+            plan = self._plans[call.key]
+        else:
+            plan = self._build(call)
+            self._plans[call.key] = plan
+        if plan is None:  # nothing needs a gradient: there is nothing to checkpoint
+            return self.fn(*args, **kwargs)
+        record(plan)
+        inputs = call.tensors + [call.captured[i] for i in plan.captured.lifted] + plan.captured.by_reference
+        results = RematFunction.apply(plan, *inputs)
+        self._apply_mutations(plan, inputs, results)
+        return self._rebuild_outputs(plan, results)
+
+    def _build(self, call: Call) -> Plan | None:
+        self._traces += 1
+        captured = capture(self.fn, self.region, call)
+        diff_inputs = [i for i, needs in enumerate(captured.input_needs_grad) if needs]
+        if not diff_inputs:
+            return None
+        out_values = [n.meta["val"] for n in next(n for n in captured.graph.graph.nodes if n.op == "output").args[0]]
+        float_outputs = [
+            j for j, v in enumerate(out_values[: captured.n_outputs]) if v.is_floating_point() or v.is_complex()
+        ]
+        joint = differentiate(captured, diff_inputs, float_outputs)
+        n_outputs = captured.n_outputs + len(captured.mutated)
+        decide = policy_decider(self.policy if self.policy is not None else _keep_nothing)
+        part = partition(joint, len(captured.input_values), n_outputs, decide)
+        return Plan(captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region)
+
+    @staticmethod
+    def _apply_mutations(plan: Plan, inputs: list[torch.Tensor], results: tuple[torch.Tensor, ...]) -> None:
+        """Mutations of inputs happen here, once per call, never in recompute."""
+        first = plan.captured.n_outputs
+        with torch.no_grad():
+            for k, index in enumerate(plan.captured.mutated):
+                inputs[index].copy_(results[first + k])
+
+    @staticmethod
+    def _rebuild_outputs(plan: Plan, results: tuple[torch.Tensor, ...]) -> Any:
+        tensors = iter(results[: plan.captured.n_outputs])
+        leaves = [next(tensors) if leaf is None else leaf for leaf in plan.captured.out_static]
+        return optree.tree_unflatten(plan.captured.out_spec, leaves)
+
+
+def _keep_nothing(op: Any, *args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+def remat(
+    fn: Callable[..., Any] | None = None,
+    *,
+    policy: Callable[..., bool] | None = None,
+    static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (),
+) -> Any:
+    """Rematerialize `fn`: keep only what `policy` allows for backward, recompute the rest.
+
+    Works under `.backward()` and every torch.func transform (grad, vjp, jacrev, jvp,
+    jacfwd, hessian, vmap, functional_call). `fn` takes and returns pytrees of tensors;
+    non-tensor leaves are static. `policy=None` keeps nothing but the inputs.
+
+    >>> import torch
+    >>> from remat import remat, policies
+    >>> @remat(policy=policies.dots_saveable)
+    ... def block(x, w):
+    ...     return torch.tanh(x @ w)
+    >>> x = torch.randn(4, 3, requires_grad=True)
+    >>> block(x, torch.randn(3, 3)).sum().backward()
+    >>> x.grad.shape
+    torch.Size([4, 3])
+
+    A function whose Python control flow depends on an argument's value must make that
+    argument static: `remat(f, static_argnums=(1,))`.
+    """
+    if fn is None:
+        return functools.partial(remat, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames)
+    return Rematerialized(fn, policy, static_argnums, static_argnames)
+
+
+checkpoint = remat

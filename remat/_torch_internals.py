@@ -1,0 +1,89 @@
+"""Every private torch API remat relies on, each behind one small function.
+
+Checked on torch 2.13.0. If a torch upgrade breaks remat, this file is where to look.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+
+
+def clear_transforms() -> contextlib.AbstractContextManager[None]:
+    """Hide active torch.func transforms, so tracing sees plain tensors (torch 2.13)."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    return temporarily_clear_interpreter_stack()
+
+
+def transforms_active() -> bool:
+    """True inside torch.func.grad/vmap/jvp/... (torch 2.13)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def forward_ad_active() -> bool:
+    """True when forward-mode AD (torch.func.jvp or forward_ad.dual_level) is live (torch 2.13)."""
+    return torch.autograd.forward_ad._current_level >= 0
+
+
+def transform_levels(t: torch.Tensor) -> list[torch.Tensor]:
+    """`t`, then each tensor under its torch.func wrappers, down to the plain tensor (torch 2.13)."""
+    levels = [t]
+    while torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.is_batchedtensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+        levels.append(t)
+    return levels
+
+
+def unwrap_transforms(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor under every torch.func wrapper (torch 2.13)."""
+    return transform_levels(t)[-1]
+
+
+def tracing_node(t: torch.Tensor) -> torch.fx.Node | None:
+    """The FX node make_fx recorded for `t`, or None when not tracing (torch 2.13)."""
+    from torch.fx.experimental.proxy_tensor import get_innermost_proxy_mode, get_proxy_slot
+
+    mode = get_innermost_proxy_mode()
+    if mode is None:
+        return None
+    base = unwrap_transforms(t)
+    slot = get_proxy_slot(base, mode.tracer, default=None)
+    if slot is None:
+        return None
+    return slot.proxy.node
+
+
+def preserve_node_meta() -> contextlib.AbstractContextManager[None]:
+    """Let a retrace copy node.meta['custom'] from the node being interpreted (torch 2.13)."""
+    import torch.fx.traceback as fx_traceback
+
+    return fx_traceback.preserve_node_meta()
+
+
+def new_fake_mode() -> Any:
+    """A FakeTensorMode that accepts real constants captured by the traced function (torch 2.13)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def autocast_state() -> tuple[Any, ...]:
+    """Everything autocast that changes what a traced graph computes."""
+    state: list[Any] = []
+    for device in ("cpu", "cuda"):
+        enabled = torch.is_autocast_enabled(device)
+        state.append((device, enabled, torch.get_autocast_dtype(device) if enabled else None))
+    state.append(torch.is_autocast_cache_enabled())
+    return tuple(state)
+
+
+@contextlib.contextmanager
+def no_dispatch_modes() -> Iterator[None]:
+    """Run eagerly even if a tracing dispatch mode is active above us (torch 2.13)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield

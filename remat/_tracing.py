@@ -1,0 +1,301 @@
+"""Tracing: from the user's Python function to aten graphs.
+
+Stage 1 (`capture`) runs the function once on fake tensors under make_fx and
+functionalization: the result is a pure aten graph whose inputs are the call's tensors and
+the captured tensors it read, whose outputs are its tensor outputs followed by the new
+values of any inputs it mutated. Stage 2 (`differentiate`) traces torch.func.vjp over that
+graph into one joint forward+backward graph, which the partitioner splits.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import optree
+import torch
+import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._arguments import Call, needs_grad
+from ._torch_internals import (
+    clear_transforms,
+    new_fake_mode,
+    preserve_node_meta,
+    tracing_node,
+    transforms_active,
+    unwrap_transforms,
+)
+
+SOURCE_KEY = "remat_source"
+_LIBRARY_DIRS = (
+    os.path.dirname(torch.__file__),
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.dirname(optree.__file__),
+)
+
+
+class RematTraceError(RuntimeError):
+    """remat could not turn the function into a graph; the message says where and what to do."""
+
+
+def user_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+    """The innermost frame outside torch, optree and remat: the user's line."""
+    for frame in reversed(frames):
+        if not frame.filename.startswith(_LIBRARY_DIRS) and "<frozen" not in frame.filename:
+            return frame
+    return None
+
+
+def describe_frame(frame: traceback.FrameSummary | None) -> str:
+    if frame is None:
+        return "an unknown line"
+    return f"{os.path.basename(frame.filename)}:{frame.lineno} (`{(frame.line or '').strip()}`)"
+
+
+class _SourceRecorder(TorchDispatchMode):
+    """Writes the user's file:line on every node traced while it is active."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        frame = user_frame(traceback.extract_stack())
+        if frame is not None:
+            where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
+            for leaf in optree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    node = tracing_node(leaf)
+                    if node is not None and SOURCE_KEY not in node.meta.get("custom", {}):
+                        node.meta["custom"] = {**node.meta.get("custom", {}), SOURCE_KEY: where}
+        return out
+
+
+@dataclass
+class Captured:
+    """The stage-1 graph of one function and what it needs per call."""
+
+    graph: torch.fx.GraphModule
+    n_explicit: int  # graph inputs [0, n_explicit) are the call's tensors, in order
+    lifted: list[int]  # then these captured candidates (indices into Call.captured)
+    by_reference: list[torch.Tensor]  # then these tensors, captured from globals or attributes
+    input_paths: list[str]
+    out_spec: Any
+    out_static: list[Any]  # output leaves; None where a tensor goes
+    n_outputs: int  # tensor outputs of the user function
+    mutated: list[int]  # graph inputs whose new values follow the outputs
+    input_needs_grad: list[bool] = field(default_factory=list)
+    input_values: list[Any] = field(default_factory=list)  # fake example of each graph input
+
+
+def _fake_like(mode: Any, t: torch.Tensor) -> torch.Tensor:
+    with mode:
+        try:
+            stride = tuple(t.stride())
+            return torch.empty_strided(tuple(t.shape), stride, dtype=t.dtype, device=t.device)
+        except RuntimeError:
+            return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
+
+
+def _trace_failure(fn_name: str, error: BaseException) -> RematTraceError:
+    frame = user_frame(traceback.extract_tb(error.__traceback__))
+    return RematTraceError(
+        f"remat could not trace `{fn_name}` at {describe_frame(frame)}: {str(error).splitlines()[0]}\n"
+        "remat traces the function once on tensors without data, so Python control flow on "
+        "tensor values (`if x.sum() > 0`), `.item()`, `.tolist()` and `.numpy()` cannot run "
+        "inside it. Make such values static with `remat(fn, static_argnums=...)` / "
+        "`static_argnames=...` (pass them as Python numbers), use tensor ops such as "
+        "`torch.where` instead of `if`, or move that code outside the remat'd function."
+    )
+
+
+def capture(fn: Callable[..., Any], fn_name: str, call: Call) -> Captured:
+    """Stage 1: trace `fn` on fake versions of the call's tensors."""
+    out_info: dict[str, Any] = {}
+
+    def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        args, kwargs = call.rebuild(tensors)
+        with _SourceRecorder():
+            out = fn(*args, **kwargs)
+        leaves, spec = optree.tree_flatten(out)
+        out_info["spec"] = spec
+        out_info["static"] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+        return [x for x in leaves if isinstance(x, torch.Tensor)]
+
+    under_transform = transforms_active()
+    with clear_transforms():
+        mode = new_fake_mode()
+        fakes = [_fake_like(mode, t) for t in call.tensors]
+        try:
+            gm = make_fx(
+                torch.func.functionalize(flat_fn, remove="mutations"),
+                tracing_mode="fake",
+                _allow_non_fake_inputs=True,
+            )(*fakes)
+        except RematTraceError:
+            raise
+        except Exception as error:  # torch raises many types here; all mean "cannot trace"
+            raise _trace_failure(fn_name, error) from error
+    _reject_data_dependent_ops(gm, fn_name)
+    captured = Captured(
+        graph=gm,
+        n_explicit=len(fakes),
+        lifted=[],
+        by_reference=[],
+        input_paths=list(call.tensor_paths),
+        out_spec=out_info["spec"],
+        out_static=out_info["static"],
+        n_outputs=sum(1 for x in out_info["static"] if x is None),
+        mutated=[],
+        input_needs_grad=[needs_grad(t) for t in call.tensors],
+    )
+    _lift_constants(captured, call, fn_name, under_transform)
+    _outputs_for_mutations(captured, fn_name)
+    captured.input_values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    gm.recompile()
+    return captured
+
+
+def _reject_data_dependent_ops(gm: torch.fx.GraphModule, fn_name: str) -> None:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
+            where = node.meta.get("custom", {}).get(SOURCE_KEY, "an unknown line")
+            raise RematTraceError(
+                f"remat could not trace `{fn_name}`: it reads a tensor's value as a Python number "
+                f"(`.item()`, `float(t)`, `int(t)`) at {where}. A remat'd function is traced once "
+                "without data, so such a value would be frozen. Pass it as a static argument "
+                "(`static_argnums`/`static_argnames`) or keep it a tensor."
+            )
+
+
+def _insert_placeholder(gm: torch.fx.GraphModule, name: str, example: Any) -> torch.fx.Node:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    if anchor is None:
+        with gm.graph.inserting_before(next(iter(gm.graph.nodes))):
+            node = gm.graph.placeholder(name)
+    else:
+        with gm.graph.inserting_after(anchor):
+            node = gm.graph.placeholder(name)
+    node.meta["val"] = example
+    return node
+
+
+def _lift_constants(captured: Captured, call: Call, fn_name: str, under_transform: bool) -> None:
+    """Turn captured tensors, which make_fx records as constants, into graph inputs."""
+    gm = captured.graph
+    by_identity = {id(unwrap_transforms(t)): i for i, t in enumerate(call.captured)}
+    fresh = {
+        n.args[0]
+        for n in gm.graph.nodes
+        if n.op == "call_function" and n.target is torch.ops.aten.lift_fresh_copy.default
+    }
+    mode = new_fake_mode()
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or node in fresh:
+            continue
+        value = getattr(gm, node.target)
+        if not isinstance(value, torch.Tensor):
+            continue
+        index = by_identity.get(id(value))
+        if index is not None:
+            original = call.captured[index]
+            if tuple(original.shape) != tuple(value.shape):
+                raise RematTraceError(
+                    f"remat({fn_name}) reads `{call.captured_paths[index]}` from its closure, and that "
+                    "tensor is batched by an enclosing vmap. Pass it to the function as an argument."
+                )
+            captured.lifted.append(index)
+            captured.input_needs_grad.append(needs_grad(original))
+            path = call.captured_paths[index]
+        elif value.requires_grad and not under_transform:
+            captured.by_reference.append(value)
+            captured.input_needs_grad.append(True)
+            path = f"<captured tensor {tuple(value.shape)}>"
+        elif under_transform and (value.is_floating_point() or value.is_complex()):
+            raise RematTraceError(
+                f"remat({fn_name}) reads a tensor of shape {tuple(value.shape)} that is neither an "
+                "argument nor reachable from its closure (a global or an attribute chain?). Under a "
+                "torch.func transform remat cannot tell whether it is being differentiated, and "
+                "treating it as a constant could silently zero its gradient. Pass it as an argument."
+            )
+        else:
+            continue
+        placeholder = _insert_placeholder(gm, f"captured_{len(captured.input_paths)}", _fake_like(mode, value))
+        captured.input_paths.append(path)
+        node.replace_all_uses_with(placeholder)
+        gm.graph.erase_node(node)
+    gm.graph.lint()
+
+
+def _outputs_for_mutations(captured: Captured, fn_name: str) -> None:
+    """Replace functionalization's trailing `copy_(input, new)` by extra outputs."""
+    gm = captured.graph
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    extra: list[torch.fx.Node] = []
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default and node.args[0] in placeholders:
+            index = placeholders.index(node.args[0])
+            example = node.args[0].meta["val"]
+            if (example.is_floating_point() or example.is_complex()) and captured.input_needs_grad[index]:
+                raise RematTraceError(
+                    f"remat({fn_name}) mutates its input `{captured.input_paths[index]}` in place, and "
+                    "that input requires grad. Return the new value instead of mutating the input."
+                )
+            captured.mutated.append(index)
+            extra.append(node.args[1])
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    if extra:
+        outs = list(output.args[0])
+        output.args = (outs + extra,)
+
+
+def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs: Sequence[int]) -> torch.fx.GraphModule:
+    """Stage 2: one graph computing the outputs and the vjp w.r.t. `diff_inputs`.
+
+    Inputs: every stage-1 input, then one tangent per output in `float_outputs`.
+    Outputs: every stage-1 output, then one gradient per input in `diff_inputs`.
+    """
+    g1 = captured.graph
+    n_inputs = len(captured.input_values)
+    out_values = _output_values(g1)
+
+    def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
+        primals, tangents = flat[:n_inputs], flat[n_inputs:]
+
+        def forward(*diff: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            full = list(primals)
+            for i, d in zip(diff_inputs, diff):
+                full[i] = d
+            with preserve_node_meta():
+                outs = torch.fx.Interpreter(g1).run(*full)
+            return [outs[i] for i in float_outputs], list(outs)
+
+        _, vjp_fn, outs = torch.func.vjp(forward, *[primals[i] for i in diff_inputs], has_aux=True)
+        grads = vjp_fn(list(tangents))
+        return [*outs, *grads]
+
+    with clear_transforms():
+        mode = new_fake_mode()
+        examples = [_fake_like(mode, v) for v in captured.input_values]
+        examples += [_fake_like(mode, out_values[i]) for i in float_outputs]
+        return make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+
+
+def _output_values(gm: torch.fx.GraphModule) -> list[Any]:
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    return [arg.meta["val"] for arg in output.args[0]]
+
+
+def vjp_of_graph(
+    forward: torch.fx.GraphModule, input_values: Sequence[Any], diff_inputs: Sequence[int], cotangent_outputs: Sequence[int]
+) -> torch.fx.GraphModule:
+    """A joint graph for an already partitioned forward graph (used for higher-order grads)."""
+    shim = Captured(
+        graph=forward, n_explicit=len(input_values), lifted=[], by_reference=[], input_paths=[],
+        out_spec=None, out_static=[], n_outputs=0, mutated=[], input_values=list(input_values),
+    )
+    return differentiate(shim, diff_inputs, cotangent_outputs)
