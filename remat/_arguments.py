@@ -8,10 +8,11 @@ tensor that an enclosing torch.func transform differentiates is passed in, never
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import optree
 import torch
@@ -34,6 +35,7 @@ class Call:
     tensor_paths: list[str]
     captured: list[torch.Tensor]
     captured_paths: list[str]
+    captured_setters: list[Callable[[Any], None] | None]
     static_leaves: list[Any]
     spec: Any
     tensor_positions: list[int]
@@ -47,6 +49,21 @@ class Call:
         leaves = [leaf.value if isinstance(leaf, _Static) else leaf for leaf in leaves]
         args, kwargs = optree.tree_unflatten(self.spec, leaves)
         return tuple(args), dict(kwargs)
+
+    @contextlib.contextmanager
+    def substituted(self, replacements: Sequence[Any]) -> Iterator[None]:
+        """Put `replacements` where the captured tensors live (closure cells, module
+        parameters), for the duration of a trace; tuple-held ones stay as they are."""
+        done = []
+        try:
+            for setter, original, new in zip(self.captured_setters, self.captured, replacements):
+                if setter is not None:
+                    setter(new)
+                    done.append((setter, original))
+            yield
+        finally:
+            for setter, original in reversed(done):
+                setter(original)
 
 
 def format_path(root: str, keys: Sequence[Any]) -> str:
@@ -114,65 +131,85 @@ def split_call(
                     "it a pytree of tensors."
                 ) from None
             key.append((type(leaf), leaf))
-    captured, captured_paths, flags = collect_captured(fn)
+    captured, captured_paths, captured_setters, flags = collect_captured(fn)
     key.extend(tensor_signature(t) for t in captured)
     key.append(flags)
     key.append(torch.is_grad_enabled())
     key.append(autocast_state())
-    return Call(tensors, tensor_paths, captured, captured_paths, leaves, spec, positions, tuple(key))
+    return Call(tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key))
 
 
-def collect_captured(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[str], tuple[Any, ...]]:
-    """Tensors `fn` can reach without being passed them, with a readable path each.
+Setter = Callable[[Any], None]
 
-    Looks through closures, bound methods, functools.partial and nn.Modules (parameters,
-    buffers, training flags). Returns the tensors, their paths, and the module flags that
-    change what the function computes.
+
+def _item_setter(container: Any, key: Any) -> Setter:
+    def set_item(value: Any) -> None:
+        container[key] = value
+
+    return set_item
+
+
+def _cell_setter(cell: Any) -> Setter:
+    def set_cell(value: Any) -> None:
+        cell.cell_contents = value
+
+    return set_cell
+
+
+def collect_captured(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[str], list[Setter | None], tuple[Any, ...]]:
+    """Tensors `fn` can reach without being passed them: each with a path and a setter.
+
+    Looks through closures, bound methods, functools.partial, containers and nn.Modules
+    (parameters, buffers, training flags). The setter puts another tensor in the same
+    place (None where the container is immutable), so tracing can substitute its own.
+    Also returns the module flags that change what the function computes.
     """
     found: list[torch.Tensor] = []
     paths: list[str] = []
+    setters: list[Setter | None] = []
     flags: list[Any] = []
     seen: set[int] = set()
 
-    def visit(value: Any, path: str, depth: int) -> None:
+    def visit(value: Any, path: str, setter: Setter | None, depth: int) -> None:
         if depth > 6 or id(value) in seen:
             return
         seen.add(id(value))
         if isinstance(value, torch.Tensor):
             found.append(value)
             paths.append(path)
+            setters.append(setter)
         elif isinstance(value, torch.nn.Module):
             for sub_name, sub in value.named_modules():
                 flags.append((sub_name, type(sub).__name__, sub.training))
-            for name, tensor in value.named_parameters():
-                visit(tensor, f"{path}.{name}", depth + 1)
-            for name, tensor in value.named_buffers():
-                if tensor is not None:
-                    visit(tensor, f"{path}.{name}", depth + 1)
-        elif isinstance(value, (list, tuple)):
+                prefix = f"{path}.{sub_name}" if sub_name else path
+                for table in (sub._parameters, sub._buffers):
+                    for name, tensor in table.items():
+                        if tensor is not None:
+                            visit(tensor, f"{prefix}.{name}", _item_setter(table, name), depth + 1)
+        elif isinstance(value, (list, dict)):
+            items = enumerate(value) if isinstance(value, list) else value.items()
+            for k, item in items:
+                visit(item, format_path(path, [k]), _item_setter(value, k), depth + 1)
+        elif isinstance(value, tuple):
             for i, item in enumerate(value):
-                visit(item, f"{path}[{i}]", depth + 1)
-        elif isinstance(value, dict):
-            for k, item in value.items():
-                visit(item, f"{path}[{k!r}]", depth + 1)
+                visit(item, format_path(path, [i]), None, depth + 1)
         elif isinstance(value, functools.partial):
-            visit(value.func, path, depth + 1)
-            visit(value.args, f"{path}.args", depth + 1)
-            visit(value.keywords, f"{path}.keywords", depth + 1)
+            visit(value.func, path, None, depth + 1)
+            visit(value.args, f"{path}.args", None, depth + 1)
+            visit(value.keywords, f"{path}.keywords", None, depth + 1)
         elif inspect.ismethod(value):
-            visit(value.__self__, f"{path}.__self__" if path else "self", depth + 1)
-            visit(value.__func__, path, depth + 1)
+            visit(value.__self__, "self", None, depth + 1)
+            visit(value.__func__, path, None, depth + 1)
         elif inspect.isfunction(value):
-            closure = value.__closure__ or ()
-            for name, cell in zip(value.__code__.co_freevars, closure):
+            for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
                 try:
                     contents = cell.cell_contents
-                except ValueError:
+                except ValueError:  # a cell not yet assigned
                     continue
-                visit(contents, name, depth + 1)
+                visit(contents, name, _cell_setter(cell), depth + 1)
 
-    visit(fn, "self" if isinstance(fn, torch.nn.Module) else "", 0)
-    return found, paths, tuple(flags)
+    visit(fn, "self" if isinstance(fn, torch.nn.Module) else "", None, 0)
+    return found, paths, setters, tuple(flags)
 
 
 def _qualname(fn: Callable[..., Any]) -> str:

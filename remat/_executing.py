@@ -53,7 +53,15 @@ class Plan:
         diff = set(self.float_outputs) | {j for j in range(self.n_outputs, len(values)) if _is_float(values[j])}
         return [j for j in range(len(values)) if j not in diff]
 
-    def zeros_for(self, position: int, like: Sequence[Any]) -> torch.Tensor:
+    def cotangent(self, grads: Sequence[torch.Tensor | None], position: int, like: Sequence[Any]) -> torch.Tensor:
+        """The incoming gradient of one output, as the traced backward expects it.
+
+        Backward graphs were traced with contiguous tangents (their view ops assume it);
+        autograd may hand over expanded or transposed gradients, and None for unused ones.
+        """
+        grad = grads[position]
+        if grad is not None:
+            return grad.contiguous()
         val = self.output_values[position]
         device = next((t.device for t in like if isinstance(t, torch.Tensor)), val.device)
         return torch.zeros(tuple(val.shape), dtype=val.dtype, device=device)
@@ -108,10 +116,10 @@ class RematFunction(torch.autograd.Function):
         extra_grads = [grads[j] for j in range(plan.n_outputs, len(grads)) if grads[j] is not None]
         if extra_grads:
             full, order, cotangent_outputs = plan.higher_order()
-            cotangents = [grads[j] if grads[j] is not None else plan.zeros_for(j, kept) for j in cotangent_outputs]
+            cotangents = [plan.cotangent(grads, j, kept) for j in cotangent_outputs]
             input_grads = full.backward(*[kept[k] for k in order], *cotangents)
         else:
-            tangents = [grads[j] if grads[j] is not None else plan.zeros_for(j, kept) for j in plan.float_outputs]
+            tangents = [plan.cotangent(grads, j, kept) for j in plan.float_outputs]
             input_grads = plan.part.backward(*kept, *tangents)
         result: list[torch.Tensor | None] = [None] * (len(plan.captured.input_values) + 1)
         for i, g in zip(plan.diff_inputs, input_grads):

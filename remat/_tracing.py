@@ -111,12 +111,17 @@ def _trace_failure(fn_name: str, error: BaseException) -> RematTraceError:
 
 
 def capture(fn: Callable[..., Any], fn_name: str, call: Call) -> Captured:
-    """Stage 1: trace `fn` on fake versions of the call's tensors."""
+    """Stage 1: trace `fn` on fake versions of the call's tensors and captured tensors."""
     out_info: dict[str, Any] = {}
+    n_explicit = len(call.tensors)
+    slotted = [i for i, setter in enumerate(call.captured_setters) if setter is not None]
 
     def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
-        args, kwargs = call.rebuild(tensors)
-        with _SourceRecorder():
+        args, kwargs = call.rebuild(tensors[:n_explicit])
+        replacements = list(call.captured)
+        for i, t in zip(slotted, tensors[n_explicit:]):
+            replacements[i] = t
+        with call.substituted(replacements), _SourceRecorder():
             out = fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten(out)
         out_info["spec"] = spec
@@ -126,7 +131,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call) -> Captured:
     under_transform = transforms_active()
     with clear_transforms():
         mode = new_fake_mode()
-        fakes = [_fake_like(mode, t) for t in call.tensors]
+        fakes = [_fake_like(mode, t) for t in call.tensors] + [_fake_like(mode, call.captured[i]) for i in slotted]
         try:
             gm = make_fx(
                 torch.func.functionalize(flat_fn, remove="mutations"),
@@ -140,7 +145,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call) -> Captured:
     _reject_data_dependent_ops(gm, fn_name)
     captured = Captured(
         graph=gm,
-        n_explicit=len(fakes),
+        n_explicit=n_explicit,
         lifted=[],
         by_reference=[],
         input_paths=list(call.tensor_paths),
@@ -150,11 +155,24 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call) -> Captured:
         mutated=[],
         input_needs_grad=[needs_grad(t) for t in call.tensors],
     )
+    _keep_used_captured(captured, call, slotted)
     _lift_constants(captured, call, fn_name, under_transform)
     _outputs_for_mutations(captured, fn_name)
     captured.input_values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     gm.recompile()
     return captured
+
+
+def _keep_used_captured(captured: Captured, call: Call, slotted: list[int]) -> None:
+    """Captured tensors the function never read are dropped from the graph's inputs."""
+    placeholders = [n for n in captured.graph.graph.nodes if n.op == "placeholder"][captured.n_explicit :]
+    for index, node in zip(slotted, placeholders):
+        if node.users:
+            captured.lifted.append(index)
+            captured.input_paths.append(call.captured_paths[index])
+            captured.input_needs_grad.append(needs_grad(call.captured[index]))
+        else:
+            captured.graph.graph.erase_node(node)
 
 
 def _reject_data_dependent_ops(gm: torch.fx.GraphModule, fn_name: str) -> None:
@@ -185,7 +203,9 @@ def _insert_placeholder(gm: torch.fx.GraphModule, name: str, example: Any) -> to
 def _lift_constants(captured: Captured, call: Call, fn_name: str, under_transform: bool) -> None:
     """Turn captured tensors, which make_fx records as constants, into graph inputs."""
     gm = captured.graph
-    by_identity = {id(unwrap_transforms(t)): i for i, t in enumerate(call.captured)}
+    by_identity = {
+        id(unwrap_transforms(t)): i for i, t in enumerate(call.captured) if call.captured_setters[i] is None
+    }
     fresh = {
         n.args[0]
         for n in gm.graph.nodes
@@ -203,8 +223,9 @@ def _lift_constants(captured: Captured, call: Call, fn_name: str, under_transfor
             original = call.captured[index]
             if tuple(original.shape) != tuple(value.shape):
                 raise RematTraceError(
-                    f"remat({fn_name}) reads `{call.captured_paths[index]}` from its closure, and that "
-                    "tensor is batched by an enclosing vmap. Pass it to the function as an argument."
+                    f"remat({fn_name}) reads `{call.captured_paths[index]}`, held in a tuple in its "
+                    "closure, and that tensor is batched by an enclosing vmap. Pass it to the function "
+                    "as an argument, or hold it in a list or dict."
                 )
             captured.lifted.append(index)
             captured.input_needs_grad.append(needs_grad(original))

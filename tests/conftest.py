@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import pytest
+import torch
+
+from remat import policies as P
+
+
+def assert_close(actual: Any, expected: Any, *, rtol: float = 1e-8, atol: float = 1e-10) -> None:
+    """Pytrees of tensors equal leaf by leaf (same structure, dtype, shape, values)."""
+    a_leaves, a_spec = optree.tree_flatten(actual)
+    e_leaves, e_spec = optree.tree_flatten(expected)
+    assert a_spec == e_spec, f"structure differs: {a_spec} vs {e_spec}"
+    for a, e in zip(a_leaves, e_leaves):
+        if isinstance(e, torch.Tensor):
+            assert isinstance(a, torch.Tensor)
+            assert a.dtype == e.dtype and a.shape == e.shape, f"{a.dtype}{tuple(a.shape)} vs {e.dtype}{tuple(e.shape)}"
+            torch.testing.assert_close(a, e, rtol=rtol, atol=atol)
+        else:
+            assert a == e
+
+
+def _keep_tanh(op: Any, *args: Any, **kwargs: Any) -> bool:
+    """A custom policy: keep tanh outputs and anything named 'g'."""
+    return P.op_key(op) == "aten::tanh" or kwargs.get("name") == "g"
+
+
+POLICIES = {
+    "default": None,
+    "nothing": P.nothing_saveable,
+    "everything": P.everything_saveable,
+    "dots": P.dots_saveable,
+    "dots_no_batch": P.dots_with_no_batch_dims_saveable,
+    "only_names": P.save_only_these_names("h", "scores"),
+    "names_but": P.save_any_names_but_these("h"),
+    "except_names": P.save_anything_except_these_names("h", "g"),
+    "both": P.save_from_both_policies(P.dots_with_no_batch_dims_saveable, P.save_only_these_names("scores")),
+    "custom": _keep_tanh,
+}
+
+
+@pytest.fixture(params=list(POLICIES), ids=list(POLICIES))
+def policy(request: pytest.FixtureRequest) -> Any:
+    return POLICIES[request.param]
