@@ -163,7 +163,8 @@ def partition(joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int, decide
             env[node] = forward_graph.node_copy(node, env.__getitem__)
     out_positions = {node: i for i, node in reversed(list(enumerate(outs))) if isinstance(node, torch.fx.Node)}
     extra = [r for r in residual_list if r not in out_positions]
-    forward_graph.output([env[o] if isinstance(o, torch.fx.Node) else o for o in outs] + [env[r] for r in extra])
+    forward_outputs = [_distinct_output(forward_graph, env[o], o in input_set) for o in outs]
+    forward_graph.output(forward_outputs + [env[r] for r in extra])
     residual_outputs = [out_positions[r] if r in out_positions else n_outputs + extra.index(r) for r in residual_list]
 
     backward_graph = torch.fx.Graph()
@@ -184,6 +185,15 @@ def partition(joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int, decide
         kept=[_describe(r) for r in residual_list],
         recomputed=[n for n in graph.nodes if n in recompute and n.op == "call_function"],
     )
+
+
+def _distinct_output(graph: torch.fx.Graph, node: torch.fx.Node, is_input: bool) -> torch.fx.Node:
+    """An autograd.Function may not return an input as-is: return an alias (a free view)."""
+    if not is_input:
+        return node
+    alias = graph.call_function(torch.ops.aten.alias.default, (node,))
+    alias.meta = dict(node.meta)
+    return alias
 
 
 def _is_tuple(node: torch.fx.Node) -> bool:

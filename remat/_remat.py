@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import inspect
+import weakref
 from typing import Any, Callable, Iterable
 
 import optree
@@ -25,6 +27,25 @@ def _normalise_argnames(static_argnames: str | Iterable[str]) -> frozenset[str]:
     if isinstance(static_argnames, str):
         return frozenset([static_argnames])
     return frozenset(static_argnames)
+
+
+_PLAN_STORES: "weakref.WeakKeyDictionary[Any, dict[Any, dict[Any, Plan | None]]]" = weakref.WeakKeyDictionary()
+
+
+def _plan_store(fn: Callable[..., Any], settings: tuple[Any, ...]) -> dict[Any, Plan | None]:
+    """The plans traced for `fn` with these settings, shared by every wrapper of it.
+
+    `remat(block)(x)` or `remat(self.block.forward)(x)` inside a model's forward builds a
+    new wrapper per call; keying plans by the module (or function) that owns them lets
+    those wrappers reuse one trace. The store dies with its owner.
+    """
+    owner = fn.__self__ if inspect.ismethod(fn) else fn
+    function = fn.__func__ if inspect.ismethod(fn) else None
+    try:
+        per_owner = _PLAN_STORES.setdefault(owner, {})
+    except TypeError:  # not weak-referenceable: plans live with the wrapper
+        return {}
+    return per_owner.setdefault((function, settings), {})
 
 
 def region_name(fn: Callable[..., Any]) -> str:
@@ -54,12 +75,19 @@ class Rematerialized:
                 f"remat: policy must be a callable policy(op, *args, **kwargs) -> bool such as "
                 f"remat.policies.dots_saveable, got {policy!r}"
             )
+        try:
+            hash(policy)
+        except TypeError:
+            raise TypeError(
+                f"remat: policy {policy!r} is not hashable; policies are cache keys. Use a frozen "
+                "dataclass or a plain function."
+            ) from None
         self.fn = fn
         self.policy = policy
         self.static_argnums = _normalise_argnums(static_argnums)
         self.static_argnames = _normalise_argnames(static_argnames)
         self.region = region_name(fn)
-        self._plans: dict[Any, Plan | None] = {}
+        self._plans = _plan_store(fn, (policy, self.static_argnums, self.static_argnames))
         self._hits = 0
         self._traces = 0
         for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):

@@ -87,3 +87,26 @@ def no_dispatch_modes() -> Iterator[None]:
 
     with _disable_current_modes():
         yield
+
+
+@contextlib.contextmanager
+def saved_tensor_hooks_suspended() -> Iterator[None]:
+    """Lift the user's saved-tensor hooks while tracing: torch.func refuses to run under them,
+    and a trace on fake tensors saves nothing worth hooking (torch 2.13)."""
+    hooks = torch._C._autograd
+    stack = []
+    while (top := hooks._top_saved_tensors_default_hooks(True)) is not None:
+        stack.append(top)
+        hooks._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(stack):
+            hooks._push_saved_tensors_default_hooks(pack, unpack)
+
+
+@contextlib.contextmanager
+def tracing_isolated() -> Iterator[None]:
+    """Trace as if at top level: no active torch.func transforms, no saved-tensor hooks."""
+    with clear_transforms(), saved_tensor_hooks_suspended():
+        yield

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._arguments import Call, needs_grad
 from ._torch_internals import (
-    clear_transforms,
+    tracing_isolated,
     new_fake_mode,
     preserve_node_meta,
     tracing_node,
@@ -98,6 +98,11 @@ def _fake_like(mode: Any, t: torch.Tensor) -> torch.Tensor:
             return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
 
 
+def _fake_contiguous(mode: Any, t: torch.Tensor) -> torch.Tensor:
+    with mode:
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
+
+
 def _trace_failure(fn_name: str, error: BaseException) -> RematTraceError:
     frame = user_frame(traceback.extract_tb(error.__traceback__))
     return RematTraceError(
@@ -129,7 +134,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call) -> Captured:
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
     under_transform = transforms_active()
-    with clear_transforms():
+    with tracing_isolated():
         mode = new_fake_mode()
         fakes = [_fake_like(mode, t) for t in call.tensors] + [_fake_like(mode, call.captured[i]) for i in slotted]
         try:
@@ -299,10 +304,11 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
         grads = vjp_fn(list(tangents))
         return [*outs, *grads]
 
-    with clear_transforms():
+    with tracing_isolated():
         mode = new_fake_mode()
         examples = [_fake_like(mode, v) for v in captured.input_values]
-        examples += [_fake_like(mode, out_values[i]) for i in float_outputs]
+        # tangents are traced contiguous; Plan.cotangent makes the real ones so
+        examples += [_fake_contiguous(mode, out_values[i]) for i in float_outputs]
         return make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
 
 

@@ -1,0 +1,135 @@
+"""The policy vocabulary: values, matching by op packet, names, batch dims."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from remat import checkpoint_name, remat, saved_residuals
+from remat import policies as P
+
+D = torch.float64
+
+
+def kept_ops(fn: Any, *args: Any) -> list[str]:
+    return [P.op_key(r.op) for r in saved_residuals(fn, *args) if r.kind == "intermediate"]
+
+
+def kept_names(fn: Any, *args: Any) -> list[str | None]:
+    return sorted(str(r.name) for r in saved_residuals(fn, *args) if r.kind == "intermediate")
+
+
+@pytest.mark.parametrize(
+    "policy, text",
+    [
+        (P.everything_saveable, "everything_saveable"),
+        (P.nothing_saveable, "nothing_saveable"),
+        (P.dots_saveable, "dots_saveable"),
+        (P.dots_with_no_batch_dims_saveable, "dots_with_no_batch_dims_saveable"),
+        (P.save_only_these_names("b", "a"), "save_only_these_names('a', 'b')"),
+        (P.save_any_names_but_these("a"), "save_any_names_but_these('a')"),
+        (P.save_anything_except_these_names("a"), "save_anything_except_these_names('a')"),
+        (P.save_from_both_policies(P.dots_saveable, P.save_only_these_names("a")),
+         "save_from_both_policies(dots_saveable, save_only_these_names('a'))"),
+        (P.save_ops(torch.ops.aten.mm, "aten::bmm"), "save_ops(aten::bmm, aten::mm)"),
+    ],
+)
+def test_builtin_policies_are_frozen_hashable_values_with_readable_repr(policy: Any, text: str) -> None:
+    assert repr(policy) == text
+    assert hash(policy) == hash(policy)
+    with pytest.raises(AttributeError):
+        policy.label = "changed"  # frozen
+
+
+def test_equal_policies_are_equal_cache_keys() -> None:
+    assert P.save_only_these_names("a", "b") == P.save_only_these_names("b", "a")
+    assert P.checkpoint_dots is P.dots_saveable
+    assert P.checkpoint_dots_with_no_batch_dims is P.dots_with_no_batch_dims_saveable
+
+
+@pytest.mark.parametrize(
+    "spelling", [torch.ops.aten.mm, torch.ops.aten.mm.default, "aten::mm", "aten.mm", "mm", "aten.mm.default", "torch.ops.aten.mm"]
+)
+def test_ops_match_by_overload_packet_in_every_spelling(spelling: Any) -> None:
+    assert P.op_key(spelling) == "aten::mm"
+    assert P.save_ops(spelling)(torch.ops.aten.mm.default)
+
+
+def test_op_key_rejects_non_ops() -> None:
+    with pytest.raises(TypeError, match="not an op"):
+        P.op_key(3.5)
+
+
+def _leaf(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, dtype=D, requires_grad=True)
+
+
+def test_dots_without_batch_dims_keep_x_at_w_but_not_einsum_scores() -> None:
+    def attn(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor) -> torch.Tensor:
+        q = torch.tanh(x @ wq).unflatten(-1, (2, 2)).transpose(1, 2)  # [B, H, T, E]
+        k = torch.tanh(x @ wk).unflatten(-1, (2, 2)).transpose(1, 2)
+        scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(2)
+        return torch.softmax(scores, -1).sum()
+
+    args = (_leaf(2, 3, 4), _leaf(4, 4), _leaf(4, 4))
+    no_batch = kept_ops(remat(attn, policy=P.dots_with_no_batch_dims_saveable), *args)
+    every_dot = kept_ops(remat(attn, policy=P.dots_saveable), *args)
+    assert no_batch == ["aten::mm", "aten::mm"]  # x[B,T,D] @ W folds B and T into rows
+    assert sorted(every_dot) == ["aten::bmm", "aten::mm", "aten::mm"]
+
+
+def _named(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = checkpoint_name(torch.sin(x @ w), "a")
+    b = checkpoint_name(torch.tanh(a * 3), "b")
+    return torch.cos(b @ w) + a * b  # backward reads a, b and both matmul outputs
+
+
+@pytest.mark.parametrize(
+    "policy, expected",
+    [
+        (P.save_only_these_names("a"), ["a"]),
+        (P.save_only_these_names("a", "b"), ["a", "b"]),
+        (P.save_any_names_but_these("a"), ["b"]),
+        (P.save_from_both_policies(P.save_only_these_names("b"), P.dots_saveable), ["None", "None", "b"]),
+    ],
+)
+def test_name_policies(policy: Any, expected: list[str]) -> None:
+    assert kept_names(remat(_named, policy=policy), _leaf(3, 3), _leaf(3, 3)) == expected
+
+
+def test_save_anything_except_these_names_really_excludes_them() -> None:
+    """Unlike jax's version, the named values are not kept (and neither is the op under them)."""
+    args = (_leaf(3, 3), _leaf(3, 3))
+    everything = saved_residuals(remat(_named, policy=P.everything_saveable), *args)
+    excluded = saved_residuals(remat(_named, policy=P.save_anything_except_these_names("a")), *args)
+    assert "a" in [r.name for r in everything]
+    assert "a" not in [r.name for r in excluded] and "b" in [r.name for r in excluded]
+    assert sum(r.nbytes for r in excluded) < sum(r.nbytes for r in everything)
+
+
+def test_custom_policy_sees_ops_and_data_free_tensors() -> None:
+    seen: list[tuple[Any, list[str], dict[str, Any]]] = []
+
+    def spy(op: Any, *args: Any, **kwargs: Any) -> bool:
+        seen.append((op, [a.device.type for a in args if isinstance(a, torch.Tensor)], dict(kwargs)))
+        return False
+
+    remat(_named, policy=spy)(_leaf(3, 3), _leaf(3, 3)).sum().backward()
+    assert all(isinstance(op, torch._ops.OpOverload) for op, _, _ in seen)
+    assert all(device == "meta" for _, devices, _ in seen for device in devices)
+    assert {kwargs.get("name") for _, _, kwargs in seen} >= {"a", "b"}
+
+
+def test_checkpoint_name_is_identity_outside_remat_and_under_vmap() -> None:
+    x = _leaf(4, 3)
+    tree = {"a": x, "b": [x * 2]}
+    assert checkpoint_name(tree, "t") is tree
+    out = torch.func.vmap(lambda r: checkpoint_name(r.sin(), "s"))(x)
+    torch.testing.assert_close(out, x.sin())
+    (g,) = torch.autograd.grad(checkpoint_name(x * 3, "m").sum(), x)
+    torch.testing.assert_close(g, torch.full_like(x, 3.0))
+    with pytest.raises(TypeError, match="non-empty string"):
+        checkpoint_name(x, "")
