@@ -70,14 +70,14 @@ def format_path(root: str, keys: Sequence[Any]) -> str:
     return root + "".join(f"[{k!r}]" for k in keys)
 
 
-def _argument_names(fn: Callable[..., Any], count: int) -> list[str]:
-    """Readable roots for positional arguments: the parameter names where known."""
+def positional_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of `fn`'s positional parameters, for readable argument paths."""
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
     try:
-        params = [p.name for p in inspect.signature(fn).parameters.values() if p.kind in positional]
+        return tuple(p.name for p in inspect.signature(target).parameters.values() if p.kind in positional)
     except (TypeError, ValueError):
-        params = []
-    return [params[i] if i < len(params) else f"args[{i}]" for i in range(count)]
+        return ()
 
 
 def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
@@ -98,6 +98,7 @@ def needs_grad(t: torch.Tensor) -> bool:
 
 def split_call(
     fn: Callable[..., Any],
+    names: tuple[str, ...],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     static_argnums: frozenset[int],
@@ -107,13 +108,15 @@ def split_call(
     args = tuple(_Static(a) if (i in static_argnums or i - len(args) in static_argnums) else a for i, a in enumerate(args))
     kwargs = {k: _Static(v) if k in static_argnames else v for k, v in kwargs.items()}
     paths, leaves, spec = optree.tree_flatten_with_path((args, kwargs))
-    names = _argument_names(fn, len(args))
     tensors: list[torch.Tensor] = []
     tensor_paths: list[str] = []
     positions: list[int] = []
     key: list[Any] = [spec]
     for position, (path, leaf) in enumerate(zip(paths, leaves)):
-        root = names[path[1]] if path[0] == 0 else str(path[1])
+        if path[0] == 1:
+            root = str(path[1])
+        else:
+            root = names[path[1]] if path[1] < len(names) else f"args[{path[1]}]"
         readable = format_path(root, path[2:])
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
@@ -140,6 +143,7 @@ def split_call(
 
 
 Setter = Callable[[Any], None]
+_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 
 
 def _item_setter(container: Any, key: Any) -> Setter:
@@ -162,7 +166,8 @@ def collect_captured(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[s
     Looks through closures, bound methods, functools.partial, containers and nn.Modules
     (parameters, buffers, training flags). The setter puts another tensor in the same
     place (None where the container is immutable), so tracing can substitute its own.
-    Also returns the module flags that change what the function computes.
+    Also returns the plain values (numbers, strings, module settings such as `training`
+    or `eps`) it can read, which tracing freezes, so they belong in the cache key.
     """
     found: list[torch.Tensor] = []
     paths: list[str] = []
@@ -180,7 +185,8 @@ def collect_captured(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[s
             setters.append(setter)
         elif isinstance(value, torch.nn.Module):
             for sub_name, sub in value.named_modules():
-                flags.append((sub_name, type(sub).__name__, sub.training))
+                settings = [(k, v) for k, v in vars(sub).items() if isinstance(v, _PLAIN) and not k.startswith("_")]
+                flags.append((sub_name, type(sub), tuple(settings)))
                 prefix = f"{path}.{sub_name}" if sub_name else path
                 for table in (sub._parameters, sub._buffers):
                     for name, tensor in table.items():
@@ -200,6 +206,8 @@ def collect_captured(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[s
         elif inspect.ismethod(value):
             visit(value.__self__, "self", None, depth + 1)
             visit(value.__func__, path, None, depth + 1)
+        elif isinstance(value, _PLAIN):
+            flags.append((path, value))  # a number or string read from a closure is traced in
         elif inspect.isfunction(value):
             for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
                 try:

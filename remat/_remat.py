@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterable
 import optree
 import torch
 
-from ._arguments import Call, split_call
+from ._arguments import Call, positional_names, split_call
 from ._executing import Plan, RematFunction
 from ._inspecting import record
 from ._partitioning import partition, policy_decider
@@ -87,6 +87,7 @@ class Rematerialized:
         self.static_argnums = _normalise_argnums(static_argnums)
         self.static_argnames = _normalise_argnames(static_argnames)
         self.region = region_name(fn)
+        self._names = positional_names(fn)
         self._plans = _plan_store(fn, (policy, self.static_argnums, self.static_argnames))
         self._hits = 0
         self._traces = 0
@@ -105,7 +106,7 @@ class Rematerialized:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self.fn(*args, **kwargs)
-        call = split_call(self.fn, args, kwargs, self.static_argnums, self.static_argnames)
+        call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames)
         if call.key in self._plans:
             self._hits += 1
             plan = self._plans[call.key]

@@ -110,3 +110,19 @@ def test_unreachable_tensor_under_a_transform_is_an_error() -> None:
     x = torch.randn(3, 4, dtype=D)
     with pytest.raises(RematTraceError, match="Pass it as an argument"):
         grad(lambda x: remat(_uses_global)(x).sum())(x)
+
+
+def test_changing_a_captured_number_or_module_setting_retraces() -> None:
+    scale = 2.0
+    f = remat(lambda x: (x * scale).sum())
+    x = torch.ones(3, dtype=D, requires_grad=True)
+    assert f(x).item() == 6.0
+    scale = 5.0  # noqa: F841 - read by the lambda through its cell
+    assert f(x).item() == 15.0
+    norm = torch.nn.LayerNorm(3, dtype=D)
+    g = remat(norm)
+    y = torch.randn(2, 3, dtype=D, requires_grad=True)
+    g(y)
+    norm.eps = 0.5
+    assert_close(g(y), torch.nn.functional.layer_norm(y, (3,), norm.weight, norm.bias, 0.5))
+    assert f.cache_info()["traces"] == 2 and g.cache_info()["traces"] == 2
