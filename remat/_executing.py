@@ -13,9 +13,9 @@ from typing import Any, Sequence
 
 import torch
 
-from ._partitioning import Partition, exactly, partition
+from ._partitioning import Partition, partition
 from ._torch_internals import forward_ad_active
-from ._tracing import Captured, vjp_of_graph
+from ._tracing import DIFFERENTIABLE_KEY, Captured, vjp_of_graph
 
 
 class RematError(RuntimeError):
@@ -42,16 +42,25 @@ class Plan:
         return self.captured.n_outputs + len(self.captured.mutated)
 
     @functools.cached_property
+    def _output_nodes(self) -> list[torch.fx.Node]:
+        return list(next(n for n in self.part.forward.graph.nodes if n.op == "output").args[0])
+
+    @functools.cached_property
     def output_values(self) -> list[Any]:
-        output = next(n for n in self.part.forward.graph.nodes if n.op == "output")
-        return [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in output.args[0]]
+        return [node.meta["val"] for node in self._output_nodes]
 
     @functools.cached_property
     def nondifferentiable_outputs(self) -> list[int]:
-        """Integer outputs, new values of mutated inputs, integer kept values."""
-        values = self.output_values
-        diff = set(self.float_outputs) | {j for j in range(self.n_outputs, len(values)) if _is_float(values[j])}
-        return [j for j in range(len(values)) if j not in diff]
+        """Integer outputs, new values of mutated inputs, and kept values autograd does not
+        track (integers, layer_norm's mean and rstd, dropout's mask)."""
+        kept = range(self.n_outputs, len(self._output_nodes))
+        diff = set(self.float_outputs) | {
+            j
+            for j in kept
+            if _is_float(self.output_values[j])
+            and self._output_nodes[j].meta.get("custom", {}).get(DIFFERENTIABLE_KEY, True)
+        }
+        return [j for j in range(len(self._output_nodes)) if j not in diff]
 
     def cotangent(self, grads: Sequence[torch.Tensor | None], position: int, like: Sequence[Any]) -> torch.Tensor:
         """The incoming gradient of one output, as the traced backward expects it.
@@ -74,7 +83,7 @@ class Plan:
             joint = vjp_of_graph(self.part.forward, self.captured.input_values, self.diff_inputs, cotangent_outputs)
             outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][: len(values)]
             chosen = [outs[j] for j in self.part.residual_outputs]
-            full = partition(joint, len(self.captured.input_values), len(values), exactly(chosen))
+            full = partition(joint, len(self.captured.input_values), len(values), set(chosen).__contains__, exact=True)
             missing = [i for i in full.saved_inputs if i not in self.part.saved_inputs]
             missing += [j for j in full.residual_outputs if j not in self.part.residual_outputs]
             if missing:
@@ -142,6 +151,8 @@ class RematFunction(torch.autograd.Function):
         primals = tuple(args[i] for i in moving)
         directions = tuple(tangents[i] if tangents[i] is not None else torch.zeros_like(args[i]) for i in moving)
         _, out_tangents = torch.func.jvp(forward, primals, directions)
-        values = plan.output_values
         it = iter(out_tangents)
-        return tuple(next(it) if _is_float(v) else None for v in values)
+        tangents_out = [next(it) if _is_float(v) else None for v in plan.output_values]
+        for j in plan.nondifferentiable_outputs:
+            tangents_out[j] = None
+        return tuple(tangents_out)

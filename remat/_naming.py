@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import TypeVar
 
 import optree
@@ -30,10 +31,24 @@ def checkpoint_name(x: T, name: str) -> T:
         raise TypeError(f"checkpoint_name: name must be a non-empty string, got {name!r}")
     for leaf in optree.tree_leaves(x):
         if isinstance(leaf, torch.Tensor):
-            node = tracing_node(leaf)
-            if node is not None:
-                node.meta["custom"] = {**node.meta.get("custom", {}), NAME_KEY: name}
+            annotate(tracing_node(leaf), NAME_KEY, name)
     return x
+
+
+def annotate(
+    node: torch.fx.Node | None, key: str, value: object, overwrite: bool = True, producer_too: bool = True
+) -> None:
+    """Write `key` in the node's custom meta, which retraces carry over to the new graph.
+
+    An output of a multi-output op is a getitem node that retraces rebuild from the op's
+    node, so the op's node gets the annotation too (unless `producer_too` is False).
+    """
+    while node is not None:
+        custom = node.meta.get("custom", {})
+        if overwrite or key not in custom:
+            node.meta["custom"] = {**custom, key: value}
+        is_item = producer_too and node.op == "call_function" and node.target is operator.getitem
+        node = node.args[0] if is_item else None  # type: ignore[assignment]
 
 
 def node_name(node: torch.fx.Node) -> str | None:

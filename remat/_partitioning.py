@@ -68,8 +68,17 @@ def is_view(node: torch.fx.Node) -> bool:
 
 
 def is_random(node: torch.fx.Node) -> bool:
-    op = producer(node).target
-    return isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+    """Whether the op draws random numbers (attention with dropout_p=0 does not)."""
+    node = producer(node)
+    op = node.target
+    if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
+        return False
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" in names:
+        index = names.index("dropout_p")
+        p = node.kwargs.get("dropout_p", node.args[index] if index < len(node.args) else 0.0)
+        return p != 0.0
+    return True
 
 
 def _view_root(node: torch.fx.Node) -> torch.fx.Node:
@@ -108,8 +117,14 @@ def _metadata_only_to_factory(graph: torch.fx.Graph, nodes: Iterable[torch.fx.No
         graph.erase_node(node)
 
 
-def partition(joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int, decide: Decide) -> Partition:
-    """Split `joint` (inputs, tangents -> outputs, gradients) into forward and backward."""
+def partition(
+    joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int, decide: Decide, exact: bool = False
+) -> Partition:
+    """Split `joint` (inputs, tangents -> outputs, gradients) into forward and backward.
+
+    With `exact`, `decide` names the very nodes to keep (views included) and nothing
+    else is kept: used to rebuild a backward for a forward that has already run.
+    """
     graph = joint.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     inputs, tangents = placeholders[:n_inputs], placeholders[n_inputs:]
@@ -118,6 +133,8 @@ def partition(joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int, decide
     input_set = set(inputs)
 
     forward_nodes = _ancestors(outs, set(placeholders))
+    # every output of a multi-output forward op is computed in forward, even one only backward reads
+    forward_nodes |= {u for n in forward_nodes if _is_tuple(n) for u in n.users}
     backward_nodes = _ancestors(grads, set(placeholders)) - forward_nodes
     _metadata_only_to_factory(graph, [n for n in graph.nodes if n in backward_nodes])
     backward_nodes = _ancestors(grads := list(output.args[0][n_outputs:]), set(placeholders)) - forward_nodes
@@ -130,7 +147,7 @@ def partition(joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int, decide
             needed.extend(i for i in node.all_input_nodes if i in forward_nodes or i in input_set)
     needed.extend(g for g in grads if isinstance(g, torch.fx.Node) and (g in forward_nodes or g in input_set))
 
-    allowed = _allowed(graph, forward_nodes, decide)
+    allowed = {n for n in forward_nodes if decide(n)} if exact else _allowed(graph, forward_nodes, decide)
     saved_inputs: set[torch.fx.Node] = set()
     residuals: set[torch.fx.Node] = set()
     recompute: set[torch.fx.Node] = set()
@@ -143,7 +160,9 @@ def partition(joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int, decide
             saved_inputs.add(node)
         elif node.op == "get_attr":
             recompute.add(node)
-        elif not is_view(node) and (node in allowed or producer(node) in allowed) and not _is_tuple(node):
+        elif exact and node in allowed:
+            residuals.add(node)
+        elif not exact and not is_view(node) and (node in allowed or producer(node) in allowed) and not _is_tuple(node):
             residuals.add(node)
         else:
             recompute.add(node)
@@ -178,13 +197,28 @@ def partition(joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int, decide
     backward_graph.output([benv[g] if isinstance(g, torch.fx.Node) else g for g in grads])
 
     return Partition(
-        forward=torch.fx.GraphModule(joint, forward_graph),
-        backward=torch.fx.GraphModule(joint, backward_graph),
+        forward=_module(joint, forward_graph),
+        backward=_module(joint, backward_graph),
         saved_inputs=[inputs.index(n) for n in saved_list],
         residual_outputs=residual_outputs,
         kept=[_describe(r) for r in residual_list],
         recomputed=[n for n in graph.nodes if n in recompute and n.op == "call_function"],
     )
+
+
+_STRIDE_SENSITIVE_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _module(root: torch.fx.GraphModule, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A runnable module; `view` becomes `reshape`, which views when the strides allow.
+
+    Strides were traced on fake tensors at one layout; under vmap (and for some kernels)
+    the real tensors can arrive with another, where `view` would fail.
+    """
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in _STRIDE_SENSITIVE_VIEWS:
+            node.target = torch.ops.aten.reshape.default
+    return torch.fx.GraphModule(root, graph)
 
 
 def _distinct_output(graph: torch.fx.Graph, node: torch.fx.Node, is_input: bool) -> torch.fx.Node:
@@ -258,9 +292,3 @@ def policy_decider(policy: Callable[..., Any]) -> Decide:
         return answer
 
     return decide
-
-
-def exactly(nodes: Sequence[torch.fx.Node]) -> Decide:
-    """A decider that keeps exactly these nodes (used to rebuild a backward for a fixed forward)."""
-    chosen = set(nodes)
-    return chosen.__contains__

@@ -21,6 +21,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._arguments import Call, needs_grad
+from ._naming import annotate
 from ._torch_internals import (
     tracing_isolated,
     new_fake_mode,
@@ -31,6 +32,7 @@ from ._torch_internals import (
 )
 
 SOURCE_KEY = "remat_source"
+DIFFERENTIABLE_KEY = "remat_differentiable"
 _LIBRARY_DIRS = (
     os.path.dirname(torch.__file__),
     os.path.dirname(os.path.abspath(__file__)),
@@ -66,9 +68,7 @@ class _SourceRecorder(TorchDispatchMode):
             where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
             for leaf in optree.tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
-                    node = tracing_node(leaf)
-                    if node is not None and SOURCE_KEY not in node.meta.get("custom", {}):
-                        node.meta["custom"] = {**node.meta.get("custom", {}), SOURCE_KEY: where}
+                    annotate(tracing_node(leaf), SOURCE_KEY, where, overwrite=False)
         return out
 
 
@@ -297,7 +297,7 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
             for i, d in zip(diff_inputs, diff):
                 full[i] = d
             with preserve_node_meta():
-                outs = torch.fx.Interpreter(g1).run(*full)
+                outs = _MarkDifferentiable(g1).run(*full)
             return [outs[i] for i in float_outputs], list(outs)
 
         _, vjp_fn, outs = torch.func.vjp(forward, *[primals[i] for i in diff_inputs], has_aux=True)
@@ -310,6 +310,20 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
         # tangents are traced contiguous; Plan.cotangent makes the real ones so
         examples += [_fake_contiguous(mode, out_values[i]) for i in float_outputs]
         return make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+
+
+class _MarkDifferentiable(torch.fx.Interpreter):
+    """Runs a graph under vjp and notes which values autograd tracks.
+
+    Some op outputs are not differentiable (layer_norm's mean and rstd, max's indices,
+    dropout's mask); when kept, they must be kept as non-differentiable values.
+    """
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if isinstance(out, torch.Tensor):
+            annotate(tracing_node(out), DIFFERENTIABLE_KEY, bool(out.requires_grad), producer_too=False)
+        return out
 
 
 def _output_values(gm: torch.fx.GraphModule) -> list[Any]:

@@ -123,7 +123,13 @@ TRANSFORMS = {
 @pytest.mark.parametrize("policy_name", list(POLICIES))
 def test_matches_no_remat(policy_name: str, fn_name: str, transform: str) -> None:
     fn, x, p = example(fn_name)
-    expected = TRANSFORMS[transform](fn, x, p)
+    try:
+        expected = TRANSFORMS[transform](fn, x, p)
+    except (RuntimeError, NotImplementedError) as error:
+        # torch itself lacks this (e.g. forward AD of CPU flash attention): remat must fail too
+        with pytest.raises(type(error)):
+            TRANSFORMS[transform](wrapped(fn_name, policy_name), x, p)
+        return
     actual = TRANSFORMS[transform](wrapped(fn_name, policy_name), x, p)
     assert_close(actual, expected)
 

@@ -59,6 +59,13 @@ def named(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.tanh(g @ p["w2"]) + checkpoint_name(g.sum(-1, keepdim=True), "s")
 
 
+def sdpa_attention(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    b, t, d = x.shape
+    q, k, v = (F.linear(x, p["qkv"]).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4)).unbind(0)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.layer_norm(x + out.transpose(1, 2).reshape(b, t, d) @ p["wo"], (d,))
+
+
 def _params(**shapes: tuple[int, ...]) -> Callable[[torch.Generator], dict[str, torch.Tensor]]:
     def make(gen: torch.Generator) -> dict[str, torch.Tensor]:
         return {k: torch.randn(s, dtype=D, generator=gen) * 0.5 for k, s in shapes.items()}
@@ -79,6 +86,7 @@ ZOO: dict[str, tuple[Callable[..., torch.Tensor], tuple[int, ...], Callable[[tor
             ln2_w=(4,), ln2_b=(4,), fc1=(8, 4), fc1_b=(8,), fc2=(4, 8), fc2_b=(4,),
         ),
     ),
+    "sdpa_attention": (sdpa_attention, (2, 3, 4), _params(qkv=(12, 4), wo=(4, 4))),
     "elementwise": (elementwise, (3, 4), _params(a=(4,))),
     "named": (named, (3, 4), _params(w1=(4, 5), w2=(5, 4))),
 }
