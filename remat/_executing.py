@@ -80,21 +80,28 @@ class Plan:
         if self._higher_order is None:
             values = self.output_values
             cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
-            joint = vjp_of_graph(self.part.forward, self.captured.input_values, self.diff_inputs, cotangent_outputs)
-            outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][: len(values)]
-            chosen = [outs[j] for j in self.part.residual_outputs]
-            full = partition(joint, len(self.captured.input_values), len(values), set(chosen).__contains__, exact=True)
-            missing = [i for i in full.saved_inputs if i not in self.part.saved_inputs]
-            missing += [j for j in full.residual_outputs if j not in self.part.residual_outputs]
+            n_states = len(self.part.replayed)
+            n_values = len(values) - n_states  # rng states are not values of the forward graph
+            pure = self.part.forward_pure
+            joint = vjp_of_graph(pure, self.captured.input_values, self.diff_inputs, cotangent_outputs)
+            outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][:n_values]
+            residuals = self.part.residual_outputs[: len(self.part.residual_outputs) - n_states]
+            chosen = [outs[j] for j in residuals]
+            full = partition(joint, len(self.captured.input_values), n_values, set(chosen).__contains__, exact=True)
+            full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
+            missing = [f"input {i}" for i in full.saved_inputs if i not in self.part.saved_inputs]
+            missing += [f"output {j}" for j in full_residuals if j not in residuals]
+            missing += [f"random op {k}" for k in full.replayed if k not in self.part.replayed]
             if missing:
                 raise RematError(
                     f"remat({self.region}): this higher-order gradient needs values the policy did not "
-                    f"keep for the first-order backward (inputs/outputs {missing}). Use a policy that "
+                    f"keep for the first-order backward ({', '.join(missing)}). Use a policy that "
                     "keeps more (e.g. everything_saveable) for this region."
                 )
             order = [self.part.saved_inputs.index(i) for i in full.saved_inputs]
             offset = len(self.part.saved_inputs)
-            order += [offset + self.part.residual_outputs.index(j) for j in full.residual_outputs]
+            order += [offset + residuals.index(j) for j in full_residuals]
+            order += [offset + len(residuals) + self.part.replayed.index(k) for k in full.replayed]
             self._higher_order = (full, order, cotangent_outputs)
         return self._higher_order
 
@@ -138,6 +145,12 @@ class RematFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, _plan_tangent: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         plan: Plan = ctx.plan
+        if plan.part.has_random:
+            raise RematError(
+                f"remat({plan.region}): forward-mode AD (jvp, jacfwd, hessian) through a region that "
+                "draws random numbers is not supported: the tangent would be computed from another "
+                "draw. Move the random op outside the remat'd function, or differentiate in reverse mode."
+            )
         args = list(ctx.saved_for_forward)
         moving = [i for i, a in enumerate(args) if _is_float(a)]
 

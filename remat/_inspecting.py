@@ -21,14 +21,17 @@ class Residual:
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
-    kind: str  # "input" (kept by reference) or "intermediate" (computed and kept)
+    kind: str  # "input" (kept by reference), "intermediate" (computed and kept), or "rng" (a generator state to replay a random op)
     op: Any  # the aten op that produced it; None for inputs
     name: str | None  # its checkpoint_name, if any
     source: str | None  # argument path for inputs, the user's file:line for intermediates
     region: str  # qualified name of the remat'd function
 
     def describe(self) -> str:
-        what = f"from the argument {self.source}" if self.kind == "input" else f"output of {self.op}"
+        what = {
+            "input": f"from the argument {self.source}",
+            "rng": f"generator state to replay {self.op}",
+        }.get(self.kind, f"output of {self.op}")
         if self.kind != "input" and self.source:
             what += f" from {self.source}"
         if self.name:
@@ -63,7 +66,7 @@ def residuals_of(plan: Plan) -> list[Residual]:
         found.append(Residual(shape, val.dtype, _nbytes(shape, val.dtype), "input", None, None, captured.input_paths[i], plan.region))
     for kept in plan.part.kept:
         found.append(
-            Residual(kept.shape, kept.dtype, _nbytes(kept.shape, kept.dtype), "intermediate", kept.op, kept.name, kept.source, plan.region)
+            Residual(kept.shape, kept.dtype, _nbytes(kept.shape, kept.dtype), kept.kind, kept.op, kept.name, kept.source, plan.region)
         )
     return found
 

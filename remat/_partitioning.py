@@ -4,8 +4,8 @@ The one place a policy is consulted. Backward nodes are those that feed the grad
 not the outputs. Walking back from every forward value that backward reads, each value is
 either an input (kept by reference), a value the policy allows (kept: a residual), or
 recomputed inside the backward graph from its own inputs. Views are never kept: their base
-is, and the view is recomputed for free. Random ops are always kept, so recompute never
-redraws them.
+is, and the view is recomputed for free. A random op that is recomputed replays the
+generator state its forward run captured, so recompute draws the same numbers.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import torch
 import torch.fx
 
 from ._naming import node_name
+from ._nodes import is_random, is_tuple, is_view, producer
+from ._randomness import RNG_KEY, capture_rng_state, replay_random, state_shape
 from ._tracing import SOURCE_KEY
 
 Decide = Callable[[torch.fx.Node], bool]
@@ -43,42 +45,20 @@ class KeptValue:
     source: str | None
     shape: tuple[int, ...]
     dtype: torch.dtype
+    kind: str = "intermediate"  # or "rng": the generator state a recomputed random op replays
 
 
 @dataclass
 class Partition:
-    forward: torch.fx.GraphModule  # inputs -> outputs, then the residuals that are not outputs
-    backward: torch.fx.GraphModule  # kept inputs, residuals, tangents -> gradients
+    forward: torch.fx.GraphModule  # inputs -> outputs, residuals that are not outputs, rng states
+    forward_pure: torch.fx.GraphModule  # the same without capturing rng states (for retracing)
+    backward: torch.fx.GraphModule  # kept inputs, residuals, rng states, tangents -> gradients
     saved_inputs: list[int]
-    residual_outputs: list[int]  # where each residual sits among forward's outputs
+    residual_outputs: list[int]  # where each kept value (residuals, then rng states) sits among forward's outputs
     kept: list[KeptValue]
     recomputed: list[torch.fx.Node]
-
-
-def producer(node: torch.fx.Node) -> torch.fx.Node:
-    """The op node behind `node`: its parent for a getitem of a multi-output op."""
-    if node.op == "call_function" and node.target is operator.getitem:
-        return node.args[0]  # type: ignore[return-value]
-    return node
-
-
-def is_view(node: torch.fx.Node) -> bool:
-    op = producer(node).target
-    return isinstance(op, torch._ops.OpOverload) and op.is_view
-
-
-def is_random(node: torch.fx.Node) -> bool:
-    """Whether the op draws random numbers (attention with dropout_p=0 does not)."""
-    node = producer(node)
-    op = node.target
-    if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
-        return False
-    names = [a.name for a in op._schema.arguments]
-    if "dropout_p" in names:
-        index = names.index("dropout_p")
-        p = node.kwargs.get("dropout_p", node.args[index] if index < len(node.args) else 0.0)
-        return p != 0.0
-    return True
+    replayed: list[int]  # rng index of each random op backward replays, in the order of its states
+    has_random: bool  # whether the forward draws random numbers at all
 
 
 def _view_root(node: torch.fx.Node) -> torch.fx.Node:
@@ -134,7 +114,7 @@ def partition(
 
     forward_nodes = _ancestors(outs, set(placeholders))
     # every output of a multi-output forward op is computed in forward, even one only backward reads
-    forward_nodes |= {u for n in forward_nodes if _is_tuple(n) for u in n.users}
+    forward_nodes |= {u for n in forward_nodes if is_tuple(n) for u in n.users}
     backward_nodes = _ancestors(grads, set(placeholders)) - forward_nodes
     _metadata_only_to_factory(graph, [n for n in graph.nodes if n in backward_nodes])
     backward_nodes = _ancestors(grads := list(output.args[0][n_outputs:]), set(placeholders)) - forward_nodes
@@ -162,7 +142,7 @@ def partition(
             recompute.add(node)
         elif exact and node in allowed:
             residuals.add(node)
-        elif not exact and not is_view(node) and (node in allowed or producer(node) in allowed) and not _is_tuple(node):
+        elif not exact and not is_view(node) and (node in allowed or producer(node) in allowed) and not is_tuple(node):
             residuals.add(node)
         else:
             recompute.add(node)
@@ -172,37 +152,93 @@ def partition(
     saved_list = sorted(saved_inputs, key=order.__getitem__)
     residual_list = sorted(residuals, key=order.__getitem__)
 
-    forward_graph = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in inputs:
-        env[node] = forward_graph.node_copy(node)
+    replayed = [
+        n for n in graph.nodes
+        if n in recompute and n.op == "call_function" and n.target is not operator.getitem and is_random(n)
+    ]
     keep_forward = _ancestors(list(outs) + residual_list, set(placeholders))
-    for node in graph.nodes:
-        if node in keep_forward:
-            env[node] = forward_graph.node_copy(node, env.__getitem__)
     out_positions = {node: i for i, node in reversed(list(enumerate(outs))) if isinstance(node, torch.fx.Node)}
     extra = [r for r in residual_list if r not in out_positions]
-    forward_outputs = [_distinct_output(forward_graph, env[o], o in input_set) for o in outs]
-    forward_graph.output(forward_outputs + [env[r] for r in extra])
+
+    def build_forward(capture: bool) -> tuple[torch.fx.Graph, list[torch.fx.Node]]:
+        forward_graph = torch.fx.Graph()
+        env: dict[torch.fx.Node, torch.fx.Node] = {}
+        states: list[torch.fx.Node] = []
+        for node in inputs:
+            env[node] = forward_graph.node_copy(node)
+        for node in graph.nodes:
+            if node in keep_forward:
+                if capture and node in replayed:
+                    states.append(_capture_state(forward_graph, node))
+                env[node] = forward_graph.node_copy(node, env.__getitem__)
+        forward_outputs = [_distinct_output(forward_graph, env[o], o in input_set) for o in outs]
+        forward_graph.output(forward_outputs + [env[r] for r in extra] + states)
+        return forward_graph, states
+
+    forward_graph, states = build_forward(capture=True)
     residual_outputs = [out_positions[r] if r in out_positions else n_outputs + extra.index(r) for r in residual_list]
+    residual_outputs += [n_outputs + len(extra) + k for k in range(len(states))]
 
     backward_graph = torch.fx.Graph()
     benv: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in saved_list + residual_list + list(tangents):
+    for node in saved_list + residual_list:
+        benv[node] = backward_graph.placeholder(node.name)
+        benv[node].meta = dict(node.meta)
+    state_inputs = {node: backward_graph.placeholder(f"rng_state_{i}") for i, node in enumerate(replayed)}
+    for node in tangents:
         benv[node] = backward_graph.placeholder(node.name)
         benv[node].meta = dict(node.meta)
     for node in graph.nodes:
-        if node in recompute or node in backward_nodes:
+        if node in state_inputs:
+            benv[node] = _replay(backward_graph, node, state_inputs[node], benv)
+        elif node in recompute or node in backward_nodes:
             benv[node] = backward_graph.node_copy(node, benv.__getitem__)
     backward_graph.output([benv[g] if isinstance(g, torch.fx.Node) else g for g in grads])
 
     return Partition(
         forward=_module(joint, forward_graph),
+        forward_pure=_module(joint, build_forward(capture=False)[0]),
         backward=_module(joint, backward_graph),
         saved_inputs=[inputs.index(n) for n in saved_list],
         residual_outputs=residual_outputs,
-        kept=[_describe(r) for r in residual_list],
+        kept=[_describe(r) for r in residual_list] + [_describe_state(n) for n in replayed],
         recomputed=[n for n in graph.nodes if n in recompute and n.op == "call_function"],
+        replayed=[n.meta.get("custom", {}).get(RNG_KEY, -1) for n in replayed],
+        has_random=any(is_random(n) for n in keep_forward if n.op == "call_function"),
+    )
+
+
+def _device_of(node: torch.fx.Node) -> torch.device:
+    val = node.meta["val"]
+    return (val[0] if isinstance(val, (tuple, list)) else val).device
+
+
+def _capture_state(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
+    """A node that snapshots the generator `node` is about to draw from."""
+    state = graph.call_function(capture_rng_state, (_device_of(node), node.kwargs.get("generator")))
+    state.meta = {"val": torch.empty(state_shape(_device_of(node)), dtype=torch.uint8, device="meta")}
+    return state
+
+
+def _replay(
+    graph: torch.fx.Graph, node: torch.fx.Node, state: torch.fx.Node, env: dict[torch.fx.Node, torch.fx.Node]
+) -> torch.fx.Node:
+    """`node` again, drawing from the state its forward run captured."""
+    args = torch.fx.map_arg(node.args, env.__getitem__)
+    kwargs = torch.fx.map_arg(node.kwargs, env.__getitem__)
+    new = graph.call_function(replay_random, (state, _device_of(node), node.target, *args), dict(kwargs))
+    new.meta = dict(node.meta)
+    return new
+
+
+def _describe_state(node: torch.fx.Node) -> KeptValue:
+    return KeptValue(
+        op=node.target,
+        name=None,
+        source=node.meta.get("custom", {}).get(SOURCE_KEY),
+        shape=state_shape(_device_of(node)),
+        dtype=torch.uint8,
+        kind="rng",
     )
 
 
@@ -230,19 +266,13 @@ def _distinct_output(graph: torch.fx.Graph, node: torch.fx.Node, is_input: bool)
     return alias
 
 
-def _is_tuple(node: torch.fx.Node) -> bool:
-    return isinstance(node.meta.get("val"), (tuple, list))
-
-
 def _allowed(graph: torch.fx.Graph, forward_nodes: set[torch.fx.Node], decide: Decide) -> set[torch.fx.Node]:
-    """The forward values that may be kept: policy-approved, random, or the base of an approved view."""
+    """The forward values that may be kept: policy-approved, or the base of an approved view."""
     allowed: set[torch.fx.Node] = set()
     for node in graph.nodes:
         if node not in forward_nodes or node.op != "call_function" or node.target is operator.getitem:
             continue
-        if is_random(node):
-            allowed.add(node)
-        elif decide(node):
+        if decide(node):
             if is_view(node):
                 root = _view_root(node)
                 if root.op == "call_function":

@@ -9,6 +9,7 @@ graph into one joint forward+backward graph, which the partitioner splits.
 
 from __future__ import annotations
 
+import operator
 import os
 import traceback
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._arguments import Call, needs_grad
 from ._naming import annotate
+from ._nodes import is_random
+from ._randomness import RNG_KEY
 from ._torch_internals import (
     tracing_isolated,
     new_fake_mode,
@@ -148,6 +151,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call) -> Captured:
         except Exception as error:  # torch raises many types here; all mean "cannot trace"
             raise _trace_failure(fn_name, error) from error
     _reject_data_dependent_ops(gm, fn_name)
+    _number_random_ops(gm)
     captured = Captured(
         graph=gm,
         n_explicit=n_explicit,
@@ -178,6 +182,13 @@ def _keep_used_captured(captured: Captured, call: Call, slotted: list[int]) -> N
             captured.input_needs_grad.append(needs_grad(call.captured[index]))
         else:
             captured.graph.graph.erase_node(node)
+
+
+def _number_random_ops(gm: torch.fx.GraphModule) -> None:
+    """Give each random op an index that survives retracing, to match replays to states."""
+    random_ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem and is_random(n)]
+    for index, node in enumerate(random_ops):
+        annotate(node, RNG_KEY, index, producer_too=False)
 
 
 def _reject_data_dependent_ops(gm: torch.fx.GraphModule, fn_name: str) -> None:

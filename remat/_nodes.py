@@ -1,0 +1,38 @@
+"""Facts about nodes of traced aten graphs, shared by the stages that read them."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+
+def producer(node: torch.fx.Node) -> torch.fx.Node:
+    """The op node behind `node`: its parent for a getitem of a multi-output op."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0]  # type: ignore[return-value]
+    return node
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    op = producer(node).target
+    return isinstance(op, torch._ops.OpOverload) and op.is_view
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """Whether the op draws random numbers (attention with dropout_p=0 does not)."""
+    node = producer(node)
+    op = node.target
+    if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
+        return False
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" in names:
+        index = names.index("dropout_p")
+        p = node.kwargs.get("dropout_p", node.args[index] if index < len(node.args) else 0.0)
+        return p != 0.0
+    return True
+
+
+def is_tuple(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
