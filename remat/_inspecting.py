@@ -66,7 +66,10 @@ def residuals_of(plan: Plan) -> list[Residual]:
         found.append(Residual(shape, val.dtype, _nbytes(shape, val.dtype), "input", None, None, captured.input_paths[i], plan.region))
     for kept in plan.part.kept:
         found.append(
-            Residual(kept.shape, kept.dtype, _nbytes(kept.shape, kept.dtype), kept.kind, kept.op, kept.name, kept.source, plan.region)
+            Residual(
+                kept.shape, kept.dtype, _nbytes(kept.shape, kept.dtype), kept.kind, kept.op, kept.name, kept.source,
+                captured.scopes[kept.scope].region,
+            )
         )
     return found
 

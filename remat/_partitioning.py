@@ -21,7 +21,7 @@ import torch.fx
 from ._naming import node_name
 from ._nodes import is_random, is_tuple, is_view, producer
 from ._randomness import RNG_KEY, capture_rng_state, replay_random, state_shape
-from ._tracing import SOURCE_KEY
+from ._tracing import SCOPE_KEY, SOURCE_KEY, Scope
 
 Decide = Callable[[torch.fx.Node], bool]
 
@@ -46,6 +46,7 @@ class KeptValue:
     shape: tuple[int, ...]
     dtype: torch.dtype
     kind: str = "intermediate"  # or "rng": the generator state a recomputed random op replays
+    scope: int = 0  # which remat region (0: the outermost; then nested ones) produced it
 
 
 @dataclass
@@ -239,6 +240,7 @@ def _describe_state(node: torch.fx.Node) -> KeptValue:
         shape=state_shape(_device_of(node)),
         dtype=torch.uint8,
         kind="rng",
+        scope=node.meta.get("custom", {}).get(SCOPE_KEY, 0),
     )
 
 
@@ -291,6 +293,7 @@ def _describe(node: torch.fx.Node) -> KeptValue:
         source=custom.get(SOURCE_KEY),
         shape=tuple(val.shape),
         dtype=val.dtype,
+        scope=custom.get(SCOPE_KEY, 0),
     )
 
 
@@ -303,10 +306,14 @@ def _to_meta(value: Any) -> Any:
     return value
 
 
-def policy_decider(policy: Callable[..., Any]) -> Decide:
-    """Ask `policy` about one node, with data-free meta tensors; insist on a bool."""
+def policy_decider(scopes: Sequence[Scope]) -> Decide:
+    """Ask the policy governing each node (its innermost remat region's) about it, with
+    data-free meta tensors; insist on a bool. A region without a policy keeps nothing."""
 
     def decide(node: torch.fx.Node) -> bool:
+        policy = scopes[node.meta.get("custom", {}).get(SCOPE_KEY, 0)].policy
+        if policy is None:
+            return False
         op = node.target
         args = optree.tree_map(_to_meta, node.args, is_leaf=lambda x: isinstance(x, torch.fx.Node), none_is_leaf=True)
         kwargs = optree.tree_map(_to_meta, node.kwargs, is_leaf=lambda x: isinstance(x, torch.fx.Node), none_is_leaf=True)

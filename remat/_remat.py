@@ -14,7 +14,7 @@ from ._arguments import Call, positional_names, split_call
 from ._executing import Plan, RematFunction
 from ._inspecting import record
 from ._partitioning import partition, policy_decider
-from ._tracing import capture, differentiate
+from ._tracing import capture, differentiate, inside_trace, nested_region
 
 
 def _normalise_argnums(static_argnums: int | Iterable[int]) -> frozenset[int]:
@@ -104,6 +104,9 @@ class Rematerialized:
         return {"hits": self._hits, "traces": self._traces, "size": len(self._plans)}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if inside_trace():  # nested in a region being traced: inline, under this region's policy
+            with nested_region(self.policy, self.region):
+                return self.fn(*args, **kwargs)
         if not torch.is_grad_enabled():
             return self.fn(*args, **kwargs)
         call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames)
@@ -123,7 +126,7 @@ class Rematerialized:
 
     def _build(self, call: Call) -> Plan | None:
         self._traces += 1
-        captured = capture(self.fn, self.region, call)
+        captured = capture(self.fn, self.region, call, self.policy)
         diff_inputs = [i for i, needs in enumerate(captured.input_needs_grad) if needs]
         if not diff_inputs:
             return None
@@ -133,7 +136,7 @@ class Rematerialized:
         ]
         joint = differentiate(captured, diff_inputs, float_outputs)
         n_outputs = captured.n_outputs + len(captured.mutated)
-        decide = policy_decider(self.policy if self.policy is not None else _keep_nothing)
+        decide = policy_decider(captured.scopes)
         part = partition(joint, len(captured.input_values), n_outputs, decide)
         return Plan(captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region)
 
@@ -150,10 +153,6 @@ class Rematerialized:
         tensors = iter(results[: plan.captured.n_outputs])
         leaves = [next(tensors) if leaf is None else leaf for leaf in plan.captured.out_static]
         return optree.tree_unflatten(plan.captured.out_spec, leaves)
-
-
-def _keep_nothing(op: Any, *args: Any, **kwargs: Any) -> bool:
-    return False
 
 
 def remat(

@@ -10,10 +10,12 @@ graph into one joint forward+backward graph, which the partitioner splits.
 from __future__ import annotations
 
 import operator
+import contextlib
+import contextvars
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import optree
 import torch
@@ -36,6 +38,7 @@ from ._torch_internals import (
 
 SOURCE_KEY = "remat_source"
 DIFFERENTIABLE_KEY = "remat_differentiable"
+SCOPE_KEY = "remat_scope"
 _LIBRARY_DIRS = (
     os.path.dirname(torch.__file__),
     os.path.dirname(os.path.abspath(__file__)),
@@ -61,17 +64,63 @@ def describe_frame(frame: traceback.FrameSummary | None) -> str:
     return f"{os.path.basename(frame.filename)}:{frame.lineno} (`{(frame.line or '').strip()}`)"
 
 
-class _SourceRecorder(TorchDispatchMode):
-    """Writes the user's file:line on every node traced while it is active."""
+@dataclass(frozen=True)
+class Scope:
+    """A remat region met while tracing: the outermost one, or one nested inside it."""
+
+    policy: Callable[..., bool] | None
+    region: str
+
+
+# While a function is being traced: the regions met so far and the index of the innermost
+# active one. None when not tracing.
+_TRACING: contextvars.ContextVar[tuple[list[Scope], int] | None] = contextvars.ContextVar("remat_tracing", default=None)
+
+
+def inside_trace() -> bool:
+    """True while remat traces a function: a nested remat region then runs inline."""
+    return _TRACING.get() is not None
+
+
+@contextlib.contextmanager
+def nested_region(policy: Callable[..., bool] | None, region: str) -> Iterator[None]:
+    """Ops traced inside belong to this nested region and are governed by its policy."""
+    state = _TRACING.get()
+    assert state is not None, "nested_region outside a trace"
+    scopes = state[0]
+    scopes.append(Scope(policy, region))
+    token = _TRACING.set((scopes, len(scopes) - 1))
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
+
+
+@contextlib.contextmanager
+def _tracing_region(scope: Scope) -> Iterator[list[Scope]]:
+    scopes = [scope]
+    token = _TRACING.set((scopes, 0))
+    try:
+        yield scopes
+    finally:
+        _TRACING.reset(token)
+
+
+class _Recorder(TorchDispatchMode):
+    """Writes on every traced node the user's file:line and, inside a nested region, its scope."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         frame = user_frame(traceback.extract_stack())
-        if frame is not None:
-            where = f"{os.path.basename(frame.filename)}:{frame.lineno}"
-            for leaf in optree.tree_leaves(out):
-                if isinstance(leaf, torch.Tensor):
-                    annotate(tracing_node(leaf), SOURCE_KEY, where, overwrite=False)
+        state = _TRACING.get()
+        scope = state[1] if state is not None else 0
+        for leaf in optree.tree_leaves(out):
+            if isinstance(leaf, torch.Tensor):
+                node = tracing_node(leaf)
+                if frame is not None:
+                    annotate(node, SOURCE_KEY, f"{os.path.basename(frame.filename)}:{frame.lineno}", overwrite=False)
+                if scope:
+                    annotate(node, SCOPE_KEY, scope, overwrite=False)
         return out
 
 
@@ -89,6 +138,7 @@ class Captured:
     n_outputs: int  # tensor outputs of the user function
     mutated: list[int]  # graph inputs whose new values follow the outputs
     input_needs_grad: list[bool] = field(default_factory=list)
+    scopes: list[Scope] = field(default_factory=list)  # [0] is the region itself, then nested ones
     input_values: list[Any] = field(default_factory=list)  # fake example of each graph input
 
 
@@ -118,7 +168,7 @@ def _trace_failure(fn_name: str, error: BaseException) -> RematTraceError:
     )
 
 
-def capture(fn: Callable[..., Any], fn_name: str, call: Call) -> Captured:
+def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[..., bool] | None) -> Captured:
     """Stage 1: trace `fn` on fake versions of the call's tensors and captured tensors."""
     out_info: dict[str, Any] = {}
     n_explicit = len(call.tensors)
@@ -129,7 +179,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call) -> Captured:
         replacements = list(call.captured)
         for i, t in zip(slotted, tensors[n_explicit:]):
             replacements[i] = t
-        with call.substituted(replacements), _SourceRecorder():
+        with call.substituted(replacements), _Recorder():
             out = fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten(out)
         out_info["spec"] = spec
@@ -137,7 +187,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call) -> Captured:
         return [x for x in leaves if isinstance(x, torch.Tensor)]
 
     under_transform = transforms_active()
-    with tracing_isolated():
+    with tracing_isolated(), _tracing_region(Scope(policy, fn_name)) as scopes:
         mode = new_fake_mode()
         fakes = [_fake_like(mode, t) for t in call.tensors] + [_fake_like(mode, call.captured[i]) for i in slotted]
         try:
@@ -163,6 +213,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call) -> Captured:
         n_outputs=sum(1 for x in out_info["static"] if x is None),
         mutated=[],
         input_needs_grad=[needs_grad(t) for t in call.tensors],
+        scopes=scopes,
     )
     _keep_used_captured(captured, call, slotted)
     _lift_constants(captured, call, fn_name, under_transform)
