@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ._ops import DOTS, DOTS_BATCHED, DOTS_NO_BATCH, OpLike, op_key, op_keys
+from ._ops import ATTENTION, COLLECTIVES, CONVOLUTIONS, DOTS, DOTS_BATCHED, DOTS_NO_BATCH, OpLike, op_key, op_keys
 
 Policy = Callable[..., bool]
 
@@ -33,10 +33,15 @@ __all__ = [
     "save_anything_except_these_names",
     "save_from_both_policies",
     "save_ops",
+    "dots_and_attention_saveable",
     "op_key",
+    "op_keys",
     "DOTS",
     "DOTS_NO_BATCH",
     "DOTS_BATCHED",
+    "ATTENTION",
+    "CONVOLUTIONS",
+    "COLLECTIVES",
 ]
 
 
@@ -75,9 +80,16 @@ class SaveOps:
         return self.label or f"save_ops({', '.join(sorted(self.ops))})"
 
 
-def save_ops(*ops: OpLike) -> SaveOps:
-    """Keep the outputs of these ops: ``save_ops(torch.ops.aten.mm, "aten::bmm")``."""
-    return SaveOps(op_keys(ops))
+def save_ops(*ops: OpLike | frozenset[str]) -> SaveOps:
+    """Keep the outputs of these ops and op groups.
+
+    ``save_ops(torch.ops.aten.mm, "aten::bmm")``, ``save_ops(DOTS, ATTENTION, "mylib::fused")``:
+    groups are sets of op names, so extending one is adding names to it.
+    """
+    keys: set[str] = set()
+    for op in ops:
+        keys |= op if isinstance(op, frozenset) else {op_key(op)}
+    return SaveOps(frozenset(keys))
 
 
 # Matrix multiplies are the expensive ops: keep their outputs, recompute the cheap rest.
@@ -88,6 +100,11 @@ checkpoint_dots = dots_saveable
 # such as attention scores, which grow with sequence length squared.
 dots_with_no_batch_dims_saveable = SaveOps(DOTS_NO_BATCH, "dots_with_no_batch_dims_saveable")
 checkpoint_dots_with_no_batch_dims = dots_with_no_batch_dims_saveable
+
+
+# The common large-model recipe: keep matmul and fused-attention outputs, recompute the
+# cheap elementwise rest (norms, activations, dropout).
+dots_and_attention_saveable = SaveOps(DOTS | ATTENTION, "dots_and_attention_saveable")
 
 
 def _names_repr(function: str, names: frozenset[str]) -> str:

@@ -45,3 +45,46 @@ DOTS_NO_BATCH: frozenset[str] = op_keys(
 DOTS_BATCHED: frozenset[str] = op_keys(["aten::bmm", "aten::baddbmm", "aten::addbmm"])
 
 DOTS: frozenset[str] = DOTS_NO_BATCH | DOTS_BATCHED
+
+# Fused attention kernels (what scaled_dot_product_attention lowers to on each backend).
+# Keeping their outputs means attention is not recomputed in backward.
+ATTENTION: frozenset[str] = op_keys(
+    [
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_scaled_dot_product_fused_attention_overrideable",
+        "aten::_flash_attention_forward",
+        "aten::_efficient_attention_forward",
+        "aten::_native_multi_head_attention",
+    ]
+)
+
+# Convolutions (conv1d/2d/3d and transposed ones lower to these).
+CONVOLUTIONS: frozenset[str] = op_keys(
+    [
+        "aten::convolution",
+        "aten::_convolution",
+        "aten::cudnn_convolution",
+        "aten::cudnn_convolution_transpose",
+        "aten::mkldnn_convolution",
+        "aten::miopen_convolution",
+        "aten::_slow_conv2d_forward",
+        "aten::slow_conv3d_forward",
+    ]
+)
+
+# Functional collectives: keeping their outputs avoids communicating again in backward.
+COLLECTIVES: frozenset[str] = op_keys(
+    [
+        "_c10d_functional::all_reduce",
+        "_c10d_functional::all_reduce_coalesced",
+        "_c10d_functional::all_gather_into_tensor",
+        "_c10d_functional::all_gather_into_tensor_coalesced",
+        "_c10d_functional::reduce_scatter_tensor",
+        "_c10d_functional::reduce_scatter_tensor_coalesced",
+        "_c10d_functional::all_to_all_single",
+        "_c10d_functional::wait_tensor",
+    ]
+)

@@ -98,6 +98,16 @@ def _metadata_only_to_factory(graph: torch.fx.Graph, nodes: Iterable[torch.fx.No
         graph.erase_node(node)
 
 
+def _drop_saved_value_detaches(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
+    """Autograd unpacks a saved output through `detach` when traced; for second-order
+    gradients the backward must read the value itself, as autograd's own double backward
+    does. (A user's `detach` is a forward node and stays.)"""
+    for node in nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
+            node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
+            graph.erase_node(node)
+
+
 def partition(
     joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int, decide: Decide, exact: bool = False
 ) -> Partition:
@@ -118,6 +128,7 @@ def partition(
     forward_nodes |= {u for n in forward_nodes if is_tuple(n) for u in n.users}
     backward_nodes = _ancestors(grads, set(placeholders)) - forward_nodes
     _metadata_only_to_factory(graph, [n for n in graph.nodes if n in backward_nodes])
+    _drop_saved_value_detaches(graph, [n for n in graph.nodes if n in backward_nodes])
     backward_nodes = _ancestors(grads := list(output.args[0][n_outputs:]), set(placeholders)) - forward_nodes
     if _ancestors(outs, set(inputs)) & set(tangents):
         raise AssertionError("remat: a forward output depends on a tangent; please report this bug")

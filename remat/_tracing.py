@@ -156,10 +156,29 @@ def _fake_contiguous(mode: Any, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
 
 
+def _custom_function_in(error: BaseException) -> str | None:
+    """The name of a custom torch.autograd.Function whose apply raised `error`, if any."""
+    tb = error.__traceback__
+    while tb is not None:
+        cls = tb.tb_frame.f_locals.get("cls")
+        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function) and tb.tb_frame.f_code.co_name == "apply":
+            return cls.__qualname__
+        tb = tb.tb_next
+    return None
+
+
 def _trace_failure(fn_name: str, error: BaseException) -> RematTraceError:
-    frame = user_frame(traceback.extract_tb(error.__traceback__))
+    where = describe_frame(user_frame(traceback.extract_tb(error.__traceback__)))
+    custom = _custom_function_in(error)
+    if custom is not None:
+        return RematTraceError(
+            f"remat could not trace `{fn_name}`: it calls the custom torch.autograd.Function `{custom}` "
+            f"at {where}, whose hand-written backward remat cannot trace. Register the operation "
+            "with torch.library.custom_op and register_autograd (remat traces those, and policies "
+            "can name them with save_ops), or apply remat to the code inside the Function instead."
+        )
     return RematTraceError(
-        f"remat could not trace `{fn_name}` at {describe_frame(frame)}: {str(error).splitlines()[0]}\n"
+        f"remat could not trace `{fn_name}` at {where}: {str(error).splitlines()[0]}\n"
         "remat traces the function once on tensors without data, so Python control flow on "
         "tensor values (`if x.sum() > 0`), `.item()`, `.tolist()` and `.numpy()` cannot run "
         "inside it. Make such values static with `remat(fn, static_argnums=...)` / "
@@ -353,29 +372,31 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
 
     def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
         primals, tangents = flat[:n_inputs], flat[n_inputs:]
-
-        def forward(*diff: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            full = list(primals)
-            for i, d in zip(diff_inputs, diff):
-                full[i] = d
-            with preserve_node_meta():
-                outs = _MarkDifferentiable(g1).run(*full)
-            return [outs[i] for i in float_outputs], list(outs)
-
-        _, vjp_fn, outs = torch.func.vjp(forward, *[primals[i] for i in diff_inputs], has_aux=True)
-        grads = vjp_fn(list(tangents))
+        with torch.enable_grad(), preserve_node_meta():
+            outs = _MarkDifferentiable(g1).run(*primals)
+            pairs = [(outs[i], t) for i, t in zip(float_outputs, tangents) if outs[i].requires_grad]
+            grads = torch.autograd.grad(
+                [o for o, _ in pairs],
+                [primals[i] for i in diff_inputs],
+                [t for _, t in pairs],
+                create_graph=True,  # trace the backward autograd would run for higher-order gradients
+                allow_unused=True,
+                materialize_grads=True,
+            ) if pairs else [torch.zeros_like(primals[i]) for i in diff_inputs]
         return [*outs, *grads]
 
     with tracing_isolated():
         mode = new_fake_mode()
         examples = [_fake_like(mode, v) for v in captured.input_values]
+        for i in diff_inputs:
+            examples[i].requires_grad_(True)
         # tangents are traced contiguous; Plan.cotangent makes the real ones so
         examples += [_fake_contiguous(mode, out_values[i]) for i in float_outputs]
         return make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
 
 
 class _MarkDifferentiable(torch.fx.Interpreter):
-    """Runs a graph under vjp and notes which values autograd tracks.
+    """Runs a graph under autograd and notes which values it tracks.
 
     Some op outputs are not differentiable (layer_norm's mean and rstd, max's indices,
     dropout's mask); when kept, they must be kept as non-differentiable values.
