@@ -7,6 +7,7 @@ rest, under `.backward()` and every torch.func transform.
 from __future__ import annotations
 
 from . import policies
+from ._debugging import RecomputeMismatchError
 from ._executing import RematError
 from ._inspecting import Residual, print_saved_residuals, saved_residuals
 from ._measuring import saved_tensor_bytes
@@ -25,6 +26,7 @@ __all__ = [
     "Rematerialized",
     "RematError",
     "RematTraceError",
+    "RecomputeMismatchError",
     "policies",
 ]
 __version__ = "0.1.0"

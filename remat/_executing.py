@@ -53,7 +53,7 @@ class Plan:
     def nondifferentiable_outputs(self) -> list[int]:
         """Integer outputs, new values of mutated inputs, and kept values autograd does not
         track (integers, layer_norm's mean and rstd, dropout's mask)."""
-        kept = range(self.n_outputs, len(self._output_nodes))
+        kept = range(self.n_outputs, len(self._output_nodes) - self.part.checked)  # debug values are not
         diff = set(self.float_outputs) | {
             j
             for j in kept
@@ -80,8 +80,8 @@ class Plan:
         if self._higher_order is None:
             values = self.output_values
             cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
-            n_states = len(self.part.replayed)
-            n_values = len(values) - n_states  # rng states are not values of the forward graph
+            n_states = len(self.part.replayed) + self.part.checked
+            n_values = len(values) - n_states  # rng states and debug values are not values of the pure graph
             pure = self.part.forward_pure
             joint = vjp_of_graph(pure, self.captured.input_values, self.diff_inputs, cotangent_outputs)
             outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][:n_values]

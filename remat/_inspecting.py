@@ -31,6 +31,7 @@ class Residual:
         what = {
             "input": f"from the argument {self.source}",
             "rng": f"generator state to replay {self.op}",
+            "debug": f"debug copy of {self.op}",
         }.get(self.kind, f"output of {self.op}")
         if self.kind != "input" and self.source:
             what += f" from {self.source}"

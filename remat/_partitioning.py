@@ -11,7 +11,7 @@ generator state its forward run captured, so recompute draws the same numbers.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import optree
@@ -20,6 +20,7 @@ import torch.fx
 
 from ._naming import node_name
 from ._nodes import is_random, is_tuple, is_view, producer
+from ._debugging import check_recomputed
 from ._randomness import RNG_KEY, capture_rng_state, replay_random, state_shape
 from ._tracing import SCOPE_KEY, SOURCE_KEY, Scope
 
@@ -45,7 +46,7 @@ class KeptValue:
     source: str | None
     shape: tuple[int, ...]
     dtype: torch.dtype
-    kind: str = "intermediate"  # or "rng": the generator state a recomputed random op replays
+    kind: str = "intermediate"  # "rng": a generator state to replay; "debug": kept only to check recompute
     scope: int = 0  # which remat region (0: the outermost; then nested ones) produced it
 
 
@@ -55,10 +56,11 @@ class Partition:
     forward_pure: torch.fx.GraphModule  # the same without capturing rng states (for retracing)
     backward: torch.fx.GraphModule  # kept inputs, residuals, rng states, tangents -> gradients
     saved_inputs: list[int]
-    residual_outputs: list[int]  # where each kept value (residuals, then rng states) sits among forward's outputs
+    residual_outputs: list[int]  # where each kept value (residuals, rng states, debug values) sits among forward's outputs
     kept: list[KeptValue]
     recomputed: list[torch.fx.Node]
     replayed: list[int]  # rng index of each random op backward replays, in the order of its states
+    checked: int  # debug mode: how many recomputed values backward compares with the forward's
     has_random: bool  # whether the forward draws random numbers at all
 
 
@@ -108,17 +110,40 @@ def _drop_saved_value_detaches(graph: torch.fx.Graph, nodes: Iterable[torch.fx.N
             graph.erase_node(node)
 
 
+def _read_copies_of(graph: torch.fx.Graph, mutated: Sequence[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Make every reader of a mutated input read a copy taken before the update; the copy
+    must be kept (recomputing it in backward would copy the updated value)."""
+    copies = set()
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for placeholder in mutated:
+        with graph.inserting_after(anchor):
+            copy = graph.call_function(torch.ops.aten.clone.default, (placeholder,))
+        copy.meta = dict(placeholder.meta)
+        placeholder.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+        copies.add(copy)
+    return copies
+
+
 def partition(
-    joint: torch.fx.GraphModule, n_inputs: int, n_outputs: int, decide: Decide, exact: bool = False
+    joint: torch.fx.GraphModule,
+    n_inputs: int,
+    n_outputs: int,
+    decide: Decide,
+    exact: bool = False,
+    debug: bool = False,
+    mutated: Sequence[int] = (),
 ) -> Partition:
     """Split `joint` (inputs, tangents -> outputs, gradients) into forward and backward.
 
     With `exact`, `decide` names the very nodes to keep (views included) and nothing
-    else is kept: used to rebuild a backward for a forward that has already run.
+    else is kept: used to rebuild a backward for a forward that has already run. With
+    `debug`, backward checks every recomputed value against the forward's. Inputs in
+    `mutated` are updated after the forward, so backward may only read copies of them.
     """
     graph = joint.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     inputs, tangents = placeholders[:n_inputs], placeholders[n_inputs:]
+    must_keep = _read_copies_of(graph, [inputs[i] for i in mutated])
     output = next(n for n in graph.nodes if n.op == "output")
     outs, grads = list(output.args[0][:n_outputs]), list(output.args[0][n_outputs:])
     input_set = set(inputs)
@@ -139,7 +164,7 @@ def partition(
             needed.extend(i for i in node.all_input_nodes if i in forward_nodes or i in input_set)
     needed.extend(g for g in grads if isinstance(g, torch.fx.Node) and (g in forward_nodes or g in input_set))
 
-    allowed = {n for n in forward_nodes if decide(n)} if exact else _allowed(graph, forward_nodes, decide)
+    allowed = {n for n in forward_nodes if decide(n)} if exact else _allowed(graph, forward_nodes, decide) | must_keep
     saved_inputs: set[torch.fx.Node] = set()
     residuals: set[torch.fx.Node] = set()
     recompute: set[torch.fx.Node] = set()
@@ -169,10 +194,16 @@ def partition(
         if n in recompute and n.op == "call_function" and n.target is not operator.getitem and is_random(n)
     ]
     keep_forward = _ancestors(list(outs) + residual_list, set(placeholders))
+    checked = [
+        n for n in graph.nodes
+        if debug and n in recompute and n in keep_forward and n.op == "call_function" and not is_tuple(n)
+    ]
     out_positions = {node: i for i, node in reversed(list(enumerate(outs))) if isinstance(node, torch.fx.Node)}
     extra = [r for r in residual_list if r not in out_positions]
 
-    def build_forward(capture: bool) -> tuple[torch.fx.Graph, list[torch.fx.Node]]:
+    def build_forward(lowered: bool) -> torch.fx.Graph:
+        """Lowered: also snapshot rng states for replays and, in debug mode, output the
+        values backward will recompute, so it can compare."""
         forward_graph = torch.fx.Graph()
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         states: list[torch.fx.Node] = []
@@ -180,16 +211,16 @@ def partition(
             env[node] = forward_graph.node_copy(node)
         for node in graph.nodes:
             if node in keep_forward:
-                if capture and node in replayed:
+                if lowered and node in replayed:
                     states.append(_capture_state(forward_graph, node))
                 env[node] = forward_graph.node_copy(node, env.__getitem__)
         forward_outputs = [_distinct_output(forward_graph, env[o], o in input_set) for o in outs]
-        forward_graph.output(forward_outputs + [env[r] for r in extra] + states)
-        return forward_graph, states
+        tail = states + [env[n] for n in checked] if lowered else []
+        forward_graph.output(forward_outputs + [env[r] for r in extra] + tail)
+        return forward_graph
 
-    forward_graph, states = build_forward(capture=True)
     residual_outputs = [out_positions[r] if r in out_positions else n_outputs + extra.index(r) for r in residual_list]
-    residual_outputs += [n_outputs + len(extra) + k for k in range(len(states))]
+    residual_outputs += [n_outputs + len(extra) + k for k in range(len(replayed) + len(checked))]
 
     backward_graph = torch.fx.Graph()
     benv: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -197,6 +228,7 @@ def partition(
         benv[node] = backward_graph.placeholder(node.name)
         benv[node].meta = dict(node.meta)
     state_inputs = {node: backward_graph.placeholder(f"rng_state_{i}") for i, node in enumerate(replayed)}
+    forward_values = {node: backward_graph.placeholder(f"forward_value_{i}") for i, node in enumerate(checked)}
     for node in tangents:
         benv[node] = backward_graph.placeholder(node.name)
         benv[node].meta = dict(node.meta)
@@ -205,19 +237,31 @@ def partition(
             benv[node] = _replay(backward_graph, node, state_inputs[node], benv)
         elif node in recompute or node in backward_nodes:
             benv[node] = backward_graph.node_copy(node, benv.__getitem__)
+        if node in forward_values:
+            benv[node] = _check(backward_graph, node, benv[node], forward_values[node])
     backward_graph.output([benv[g] if isinstance(g, torch.fx.Node) else g for g in grads])
 
     return Partition(
-        forward=_module(joint, forward_graph),
-        forward_pure=_module(joint, build_forward(capture=False)[0]),
+        forward=_module(joint, build_forward(lowered=True)),
+        forward_pure=_module(joint, build_forward(lowered=False)),
         backward=_module(joint, backward_graph),
         saved_inputs=[inputs.index(n) for n in saved_list],
         residual_outputs=residual_outputs,
-        kept=[_describe(r) for r in residual_list] + [_describe_state(n) for n in replayed],
+        kept=[_describe(r) for r in residual_list]
+        + [_describe_state(n) for n in replayed]
+        + [replace(_describe(n), kind="debug") for n in checked],
         recomputed=[n for n in graph.nodes if n in recompute and n.op == "call_function"],
         replayed=[n.meta.get("custom", {}).get(RNG_KEY, -1) for n in replayed],
+        checked=len(checked),
         has_random=any(is_random(n) for n in keep_forward if n.op == "call_function"),
     )
+
+
+def _check(graph: torch.fx.Graph, node: torch.fx.Node, recomputed: torch.fx.Node, original: torch.fx.Node) -> torch.fx.Node:
+    """Debug mode: the recomputed value, after checking it equals the forward's."""
+    custom = node.meta.get("custom", {}) or producer(node).meta.get("custom", {})
+    where = f"{producer(node).target} from {custom.get(SOURCE_KEY, 'an unknown line')}"
+    return graph.call_function(check_recomputed, (recomputed, original, where))
 
 
 def _device_of(node: torch.fx.Node) -> torch.device:

@@ -33,9 +33,9 @@ def capture_rng_state(device: torch.device, generator: torch.Generator | None = 
     return _generator(device, generator).get_state()
 
 
-def replay_random(state: torch.Tensor, device: torch.device, op: Any, *args: Any, **kwargs: Any) -> Any:
+def replay_random(state: torch.Tensor, rng_device: torch.device, op: Any, /, *args: Any, **kwargs: Any) -> Any:
     """Run random `op` from `state`, leaving the generator as it was."""
-    gen = _generator(device, kwargs.get("generator"))
+    gen = _generator(rng_device, kwargs.get("generator"))
     current = gen.get_state()
     gen.set_state(unwrap_transforms(state))  # under vmap the saved state arrives wrapped
     try:

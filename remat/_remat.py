@@ -67,6 +67,7 @@ class Rematerialized:
         policy: Callable[..., bool] | None,
         static_argnums: int | Iterable[int],
         static_argnames: str | Iterable[str],
+        debug: bool = False,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"remat: expected a function or nn.Module to wrap, got {fn!r}")
@@ -86,9 +87,10 @@ class Rematerialized:
         self.policy = policy
         self.static_argnums = _normalise_argnums(static_argnums)
         self.static_argnames = _normalise_argnames(static_argnames)
+        self.debug = debug
         self.region = region_name(fn)
         self._names = positional_names(fn)
-        self._plans = _plan_store(fn, (policy, self.static_argnums, self.static_argnames))
+        self._plans = _plan_store(fn, (policy, self.static_argnums, self.static_argnames, debug))
         self._hits = 0
         self._traces = 0
         for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
@@ -137,7 +139,9 @@ class Rematerialized:
         joint = differentiate(captured, diff_inputs, float_outputs)
         n_outputs = captured.n_outputs + len(captured.mutated)
         decide = policy_decider(captured.scopes)
-        part = partition(joint, len(captured.input_values), n_outputs, decide)
+        part = partition(
+            joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=captured.mutated
+        )
         return Plan(captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region)
 
     @staticmethod
@@ -161,6 +165,7 @@ def remat(
     policy: Callable[..., bool] | None = None,
     static_argnums: int | Iterable[int] = (),
     static_argnames: str | Iterable[str] = (),
+    debug: bool = False,
 ) -> Any:
     """Rematerialize `fn`: keep only what `policy` allows for backward, recompute the rest.
 
@@ -180,10 +185,16 @@ def remat(
 
     A function whose Python control flow depends on an argument's value must make that
     argument static: `remat(f, static_argnums=(1,))`.
+
+    `debug=True` makes backward check every recomputed value against the forward's and
+    raise `RecomputeMismatchError` naming the op and line on a difference (it keeps those
+    values, so it costs memory; off by default, and then free).
     """
     if fn is None:
-        return functools.partial(remat, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames)
-    return Rematerialized(fn, policy, static_argnums, static_argnames)
+        return functools.partial(
+            remat, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames, debug=debug
+        )
+    return Rematerialized(fn, policy, static_argnums, static_argnames, debug)
 
 
 checkpoint = remat

@@ -1,0 +1,391 @@
+"""Exact recomputation: randomness, mutation, autocast, custom ops, attention, nesting, debug."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call, grad, vmap
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from conftest import POLICIES, assert_close
+from remat import RecomputeMismatchError, RematError, RematTraceError, remat, saved_residuals, saved_tensor_bytes
+from remat import policies as P
+
+D = torch.float64
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _leaf(*shape: int, dtype: torch.dtype = D, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype, device=device).requires_grad_()
+
+
+# ---------------------------------------------------------------- randomness
+
+RANDOM_FUNCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "dropout": lambda x, w: F.dropout(torch.tanh(x @ w), p=0.4, training=True) @ w,
+    "rand": lambda x, w: torch.sin(x @ w) * torch.rand_like(x),
+    "randn": lambda x, w: torch.tanh(x @ w + torch.randn(x.shape, dtype=x.dtype, device=x.device)),
+    "bernoulli": lambda x, w: torch.sin(x @ w) * torch.bernoulli(torch.sigmoid(x)),
+    "randint": lambda x, w: torch.sin(x @ w) * torch.randint(0, 3, x.shape, device=x.device).to(x.dtype),
+    "normal_": lambda x, w: torch.tanh(x @ w) * torch.empty_like(x).normal_(1.0, 0.5),
+    "uniform_": lambda x, w: torch.sin(x @ w).exp() * torch.empty_like(x).uniform_(-1, 1),
+}
+
+
+def _run_seeded(fn: Callable[..., torch.Tensor], x: torch.Tensor, w: torch.Tensor, device: str = "cpu") -> Any:
+    torch.manual_seed(123)
+    out = fn(x, w)
+    grads = torch.autograd.grad((out * out).sum(), [x, w])
+    after = torch.rand(4, device=device)  # where the global stream is after forward and backward
+    return out, grads, after
+
+
+@pytest.mark.parametrize("policy_name", ["default", "dots", "everything", "names_but"])
+@pytest.mark.parametrize("name", list(RANDOM_FUNCTIONS))
+def test_random_ops_recompute_the_same_draws(name: str, policy_name: str) -> None:
+    fn = RANDOM_FUNCTIONS[name]
+    x, w = _leaf(5, 4), _leaf(4, 4)
+    assert_close(_run_seeded(remat(fn, policy=POLICIES[policy_name]), x, w), _run_seeded(fn, x, w))
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", list(RANDOM_FUNCTIONS))
+def test_random_ops_recompute_the_same_draws_on_cuda(name: str) -> None:
+    fn = RANDOM_FUNCTIONS[name]
+    x, w = _leaf(5, 4, device="cuda"), _leaf(4, 4, device="cuda")
+    assert_close(_run_seeded(remat(fn), x, w, "cuda"), _run_seeded(fn, x, w, "cuda"))
+
+
+def test_replayed_random_ops_keep_a_generator_state_not_a_mask() -> None:
+    fn = RANDOM_FUNCTIONS["dropout"]
+    x, w = _leaf(64, 64), _leaf(64, 64)
+    report = saved_residuals(remat(fn), x, w)
+    (rng,) = [r for r in report if r.kind == "rng"]
+    assert rng.dtype == torch.uint8 and "bernoulli" in str(rng.op) and rng.source.startswith("test_exactness.py:")
+    assert rng.nbytes == torch.get_rng_state().numel() < 64 * 64 * 8  # smaller than the mask it replaces
+    kept_everything = saved_residuals(remat(fn, policy=P.everything_saveable), x, w)
+    assert not [r for r in kept_everything if r.kind == "rng"]  # a kept mask needs no replay
+
+
+@pytest.mark.parametrize("randomness", ["different", "same"])
+def test_vmap_randomness_matches_no_remat(randomness: str) -> None:
+    fn = RANDOM_FUNCTIONS["dropout"]
+    xs, w = torch.randn(3, 5, 4, dtype=D), torch.randn(4, 4, dtype=D)
+
+    def per_sample(f: Callable[..., torch.Tensor]) -> Any:
+        torch.manual_seed(7)
+        result = vmap(grad(lambda x, w: f(x, w).pow(2).sum(), argnums=1), in_dims=(0, None), randomness=randomness)(xs, w)
+        return result, torch.rand(3)
+
+    assert_close(per_sample(remat(fn, policy=P.dots_saveable)), per_sample(fn))
+
+
+def test_vmap_default_randomness_raises_like_no_remat() -> None:
+    fn = RANDOM_FUNCTIONS["rand"]
+    xs, w = torch.randn(3, 5, 4, dtype=D), torch.randn(4, 4, dtype=D)
+    for f in (fn, remat(fn)):
+        with pytest.raises(RuntimeError, match="randomness"):
+            vmap(grad(lambda x, w: f(x, w).sum(), argnums=1), in_dims=(0, None))(xs, w)
+
+
+def test_forward_mode_through_random_ops_is_a_clear_error() -> None:
+    x, w = torch.randn(5, 4, dtype=D), torch.randn(4, 4, dtype=D)
+    f = remat(RANDOM_FUNCTIONS["randn"])
+    forward_over_reverse = lambda w: grad(lambda w: f(x, w).sum())(w)  # noqa: E731
+    with pytest.raises(RematError, match="forward-mode AD"):
+        torch.func.jvp(forward_over_reverse, (w,), (torch.ones_like(w),))
+    torch.func.jvp(lambda w: f(x, w).sum(), (w,), (torch.ones_like(w),))  # plain jvp: nothing to recompute
+
+
+def test_attention_without_dropout_is_not_treated_as_random() -> None:
+    q, k, v = (_leaf(1, 2, 5, 4) for _ in range(3))
+    report = saved_residuals(remat(lambda q, k, v: F.scaled_dot_product_attention(q, k, v).sin()), q, k, v)
+    assert [r.kind for r in report] == ["input"] * 3
+
+
+# ---------------------------------------------------------------- mutation
+
+
+class ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(6, 6, dtype=D)
+        self.bn = torch.nn.BatchNorm1d(6, dtype=D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.bn(self.lin(x)))
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("policy_name", ["default", "dots", "everything"])
+def test_batchnorm_buffers_update_once_through_functional_call(policy_name: str) -> None:
+    torch.manual_seed(0)
+    plain, checkpointed = ConvNet(), ConvNet()
+    checkpointed.load_state_dict(plain.state_dict())
+    x = torch.randn(8, 6, dtype=D)
+
+    def run(model: torch.nn.Module, use_remat: bool) -> Any:
+        params = {k: v.detach().requires_grad_() for k, v in model.named_parameters()}
+        buffers = dict(model.named_buffers())
+        call = lambda p, b, x: functional_call(model, {**p, **b}, (x,))  # noqa: E731
+        f = remat(call, policy=POLICIES[policy_name]) if use_remat else call
+        out = f(params, buffers, x)
+        after_forward = _state(model)
+        grads = torch.autograd.grad(out.pow(2).sum(), list(params.values()))
+        assert_close(_state(model), after_forward)  # backward (recompute) never mutates
+        return out, grads, after_forward
+
+    assert_close(run(checkpointed, True), run(plain, False), rtol=0, atol=0)
+
+
+def test_batchnorm_module_under_remat_updates_once() -> None:
+    torch.manual_seed(0)
+    plain, checkpointed = ConvNet(), ConvNet()
+    checkpointed.load_state_dict(plain.state_dict())
+    x = torch.randn(8, 6, dtype=D)
+    remat(checkpointed, policy=P.nothing_saveable)(x).sum().backward()
+    plain(x).sum().backward()
+    assert_close(_state(checkpointed), _state(plain), rtol=0, atol=0)
+    assert_close([p.grad for p in checkpointed.parameters()], [p.grad for p in plain.parameters()])
+
+
+def test_in_place_ops_on_inputs_and_intermediates() -> None:
+    def fn(x: torch.Tensor, stats: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+        h = x @ x.t()
+        h.mul_(0.5).tanh_()  # in place on intermediates
+        stats.mul_(0.9).add_(h.detach().mean(0) * 0.1)  # running statistics
+        counter.add_(1)
+        return h.sum(-1)
+
+    x = _leaf(4, 3)
+    stats_a, stats_b = torch.zeros(4, dtype=D), torch.zeros(4, dtype=D)
+    counter_a, counter_b = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+    f = remat(fn)
+    out_a = f(x, stats_a, counter_a)
+    g_a = torch.autograd.grad(out_a.sum(), x)
+    out_b = fn(x, stats_b, counter_b)
+    g_b = torch.autograd.grad(out_b.sum(), x)
+    assert_close((out_a, g_a, stats_a, counter_a), (out_b, g_b, stats_b, counter_b), rtol=0, atol=0)
+    assert counter_a.item() == 1
+
+
+def test_mutating_an_input_that_requires_grad_is_a_clear_error() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return x.sum()
+
+    h = _leaf(3) * 1.0
+    with pytest.raises(RematTraceError, match=r"mutates its input `x`.*Return the new value"):
+        remat(fn)(h)
+
+
+# ---------------------------------------------------------------- autocast
+
+
+def _mixed(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    h = F.gelu(x @ w)
+    h = F.layer_norm(h, (h.shape[-1],), g)
+    return torch.softmax(h @ w.t(), -1)
+
+
+@pytest.mark.parametrize(
+    "device, dtype",
+    [("cpu", torch.bfloat16), pytest.param("cuda", torch.float16, marks=needs_cuda), pytest.param("cuda", torch.bfloat16, marks=needs_cuda)],
+)
+@pytest.mark.parametrize("policy_name", ["default", "dots", "everything"])
+def test_autocast_matches_no_remat(device: str, dtype: torch.dtype, policy_name: str) -> None:
+    x, w, g = _leaf(4, 8, dtype=torch.float32, device=device), _leaf(8, 8, dtype=torch.float32, device=device), _leaf(8, dtype=torch.float32, device=device)
+    f = remat(_mixed, policy=POLICIES[policy_name])
+
+    def run(fn: Callable[..., torch.Tensor]) -> Any:
+        with torch.autocast(device, dtype=dtype):
+            out = fn(x, w, g)
+        return out, torch.autograd.grad(out.float().pow(2).sum(), [x, w, g])
+
+    actual, expected = run(f), run(_mixed)
+    assert actual[0].dtype == dtype
+    assert_close(actual, expected, rtol=0, atol=0)
+    assert f.cache_info()["traces"] == 1
+
+
+# ---------------------------------------------------------------- custom ops
+
+
+@torch.library.custom_op("remat_tests::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.tanh(x) * scale
+
+
+@scaled_tanh.register_fake
+def _(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _scaled_tanh_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(output)
+    ctx.scale = inputs[1]
+
+
+def _scaled_tanh_backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, None]:
+    (y,) = ctx.saved_tensors
+    return grad_out * (ctx.scale - y * y / ctx.scale), None
+
+
+scaled_tanh.register_autograd(_scaled_tanh_backward, setup_context=_scaled_tanh_setup)
+
+
+def _uses_custom_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return scaled_tanh(x @ w, 2.0) @ w
+
+
+@pytest.mark.parametrize(
+    "policy", [None, P.save_ops("remat_tests::scaled_tanh"), P.save_ops(torch.ops.remat_tests.scaled_tanh.default)]
+)
+def test_custom_op_works_and_can_be_named_in_a_policy(policy: Any) -> None:
+    x, w = _leaf(4, 3), _leaf(3, 3)
+    f = remat(_uses_custom_op, policy=policy)
+    assert_close(torch.autograd.grad(f(x, w).sum(), [x, w]), torch.autograd.grad(_uses_custom_op(x, w).sum(), [x, w]))
+    kept = [str(r.op) for r in saved_residuals(f, x, w) if r.kind == "intermediate"]
+    assert kept == ([] if policy is None else ["remat_tests.scaled_tanh.default"])
+
+
+def test_custom_autograd_function_is_refused_with_the_fix() -> None:
+    class Straight(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.round()
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g
+
+    with pytest.raises(RematTraceError, match=r"custom torch.autograd.Function `.*Straight`.*test_exactness.py:\d+.*custom_op"):
+        remat(lambda x: Straight.apply(x * 2).sum())(_leaf(3))
+
+
+@pytest.mark.parametrize("call", ["tolist", "numpy"])
+def test_untraceable_calls_name_the_line(call: str) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        values = x.tolist() if call == "tolist" else x.detach().numpy()
+        return x * len(values)
+
+    with pytest.raises(RematTraceError, match=r"test_exactness.py:\d+ \(`values = x.tolist.*(?s:.*)static_argnums"):
+        remat(fn)(_leaf(3))
+
+
+# ---------------------------------------------------------------- attention
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, names: frozenset[str]) -> None:
+        super().__init__()
+        self.names, self.count = names, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += P.op_key(func) in self.names
+        return func(*args, **(kwargs or {}))
+
+
+def _attention_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    b, t, d = x.shape
+    q, k, v = (x @ w).view(b, t, 3, 2, d // 2).permute(2, 0, 3, 1, 4).unbind(0)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return torch.tanh(out.transpose(1, 2).reshape(b, t, d))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_attention_outputs_can_be_kept_so_backward_does_not_recompute_them(device: str) -> None:
+    x, w = _leaf(2, 5, 8, device=device), _leaf(8, 24, device=device)
+    expected = torch.autograd.grad(_attention_block(x, w).sum(), [x, w])
+    for policy, recomputed in [(P.nothing_saveable, 1), (P.dots_and_attention_saveable, 0), (P.save_ops(P.ATTENTION), 0)]:
+        out = remat(_attention_block, policy=policy)(x, w)
+        with _CountOps(P.ATTENTION) as counter:
+            grads = torch.autograd.grad(out.sum(), [x, w])
+        assert counter.count == recomputed, policy
+        assert_close(grads, expected)
+
+
+def test_op_groups_extend_by_composition() -> None:
+    policy = P.save_ops(P.DOTS, P.ATTENTION, "mylib::fused_mlp")
+    assert policy(torch.ops.aten.bmm.default) and policy(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default)
+    assert "mylib::fused_mlp" in policy.ops and P.op_key("aten::convolution") in P.CONVOLUTIONS
+    assert "_c10d_functional::reduce_scatter_tensor" in P.COLLECTIVES
+
+
+# ---------------------------------------------------------------- nesting
+
+
+def _inner(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(F.gelu(x @ w) @ w)
+
+
+def test_nested_regions_use_the_innermost_policy() -> None:
+    inner = remat(_inner, policy=P.dots_saveable)
+
+    def outer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = torch.sin(inner(x, w) @ w)
+        return inner(h, w) + vmap(lambda r: torch.cos(r @ w))(h)
+
+    def plain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        h = torch.sin(_inner(x, w) @ w)
+        return _inner(h, w) + vmap(lambda r: torch.cos(r @ w))(h)
+
+    x, w = _leaf(4, 3), _leaf(3, 3)
+    for outer_policy in (None, P.everything_saveable):
+        f = remat(outer, policy=outer_policy)
+        assert_close(torch.autograd.grad(f(x, w).sum(), [x, w]), torch.autograd.grad(plain(x, w).sum(), [x, w]))
+        assert_close(grad(lambda w: f(x, w).sum())(w), grad(lambda w: plain(x, w).sum())(w))
+        report = saved_residuals(f, x, w)
+        inner_kept = [r for r in report if r.region == "_inner"]
+        assert {str(r.op) for r in inner_kept} == {"aten.mm.default"} and len(inner_kept) == 4  # dots only
+        outer_kept = [r for r in report if r.region.endswith("outer") and r.kind == "intermediate"]
+        assert (len(outer_kept) > 0) == (outer_policy is P.everything_saveable)
+
+
+# ---------------------------------------------------------------- debug mode
+
+
+def test_debug_mode_catches_a_changed_input_naming_op_and_line() -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.sin(torch.tanh(x @ w) @ w)
+
+    x, w = _leaf(4, 3), _leaf(3, 3)
+    out = remat(fn, debug=True)(x, w)
+    torch.autograd.grad(out.sum(), [x, w])  # a faithful recompute passes
+    out = remat(fn, debug=True)(x, w)
+    w.data.add_(1.0)  # behind autograd's back
+    with pytest.raises(RecomputeMismatchError, match=r"aten.mm.default from test_exactness.py:\d+"):
+        torch.autograd.grad(out.sum(), [x, w])
+
+
+@torch.library.custom_op("remat_tests::noisy", mutates_args=())
+def noisy(x: torch.Tensor) -> torch.Tensor:
+    return x + torch.randn_like(x)  # draws random numbers without saying so
+
+
+@noisy.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+noisy.register_autograd(lambda ctx, g: g)
+
+
+def test_debug_mode_catches_an_undeclared_random_custom_op() -> None:
+    x = _leaf(4, 3)
+    out = remat(lambda x: torch.sin(noisy(x)), debug=True)(x)
+    with pytest.raises(RecomputeMismatchError, match="remat_tests.noisy"):
+        torch.autograd.grad(out.sum(), x)
+
+
+def test_debug_mode_off_costs_nothing() -> None:
+    x, w = _leaf(4, 3), _leaf(3, 3)
+    off = saved_tensor_bytes(remat(_inner), x, w)
+    on = saved_tensor_bytes(remat(_inner, debug=True), x, w)
+    assert off == sum(r.nbytes for r in saved_residuals(remat(_inner), x, w)) and on > off
