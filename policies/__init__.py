@@ -1,39 +1,60 @@
 """The policy vocabulary: which intermediates a remat region may keep for backward.
 
-A policy is any callable ``policy(op, *args, **kwargs) -> bool``. It is asked once per
-forward op of the traced function: ``op`` is the aten op (an ``OpOverload``), ``args`` and
-``kwargs`` are the op's arguments with tensors replaced by data-free ``meta`` tensors that
-carry shape, dtype and strides. A value tagged with ``checkpoint_name`` is asked with its
-name as the keyword ``name``. ``True`` means "may be kept": a value is kept only if the
-backward pass reads it. Anything but a bool is a TypeError.
+A policy is any hashable callable ``policy(op, *args, **kwargs) -> bool``. It is asked
+once per forward op of the traced function: ``op`` is the aten op (an ``OpOverload``),
+``args`` and ``kwargs`` are the op's arguments with tensors replaced by data-free ``meta``
+tensors that carry shape, dtype and strides. A value tagged with ``checkpoint_name`` is
+asked with its name as the keyword ``name``. ``True`` means "may be kept": a value is kept
+only if the backward pass reads it. Anything but a bool is a TypeError.
 
 Built-in policies are frozen, hashable values with a readable repr, so they can serve as
-cache keys. Nothing here imports the mechanism in ``remat``.
+cache keys, and they combine: ``a | b`` (either keeps), ``a & b`` (both keep), ``~a``.
+Nothing here imports the mechanism in ``remat``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ._ops import ATTENTION, COLLECTIVES, CONVOLUTIONS, DOTS, DOTS_BATCHED, DOTS_NO_BATCH, OpLike, op_key, op_keys
+import optree
+import torch
+
+from ._ops import (
+    ATTENTION,
+    COLLECTIVES,
+    CONVOLUTIONS,
+    DOTS,
+    DOTS_BATCHED,
+    DOTS_NO_BATCH,
+    GROUPS,
+    OpLike,
+    describe_group,
+    op_key,
+    op_keys,
+)
 
 Policy = Callable[..., bool]
 
 __all__ = [
     "Policy",
+    "PolicyBase",
+    "References",
+    "references",
     "everything_saveable",
     "nothing_saveable",
     "dots_saveable",
     "checkpoint_dots",
     "dots_with_no_batch_dims_saveable",
     "checkpoint_dots_with_no_batch_dims",
+    "dots_and_attention_saveable",
     "save_only_these_names",
     "save_any_names_but_these",
     "save_anything_except_these_names",
     "save_from_both_policies",
     "save_ops",
-    "dots_and_attention_saveable",
+    "keep_outputs_where",
+    "output_smaller_than",
     "op_key",
     "op_keys",
     "DOTS",
@@ -42,11 +63,60 @@ __all__ = [
     "ATTENTION",
     "CONVOLUTIONS",
     "COLLECTIVES",
+    "GROUPS",
+    "describe_group",
 ]
 
 
 @dataclass(frozen=True)
-class _Constant:
+class References:
+    """What a policy expects to find in a traced function, so remat can warn when it does
+    not: each entry of `ops` is a set of op names of which at least one should occur;
+    `names` are checkpoint_names that should occur."""
+
+    ops: tuple[frozenset[str], ...] = ()
+    names: frozenset[str] = frozenset()
+
+    def __or__(self, other: References) -> References:
+        return References(self.ops + other.ops, self.names | other.names)
+
+
+def references(policy: Any) -> References:
+    """The references of any policy (a plain function makes none)."""
+    method = getattr(policy, "references", None)
+    return method() if callable(method) else References()
+
+
+def _as_policy(value: Any) -> Policy:
+    if not callable(value):
+        raise TypeError(f"cannot combine a policy with {value!r}: a policy is a callable policy(op, *args, **kwargs) -> bool")
+    return value
+
+
+class PolicyBase:
+    """What every built-in policy shares: combinators and the names it refers to."""
+
+    def __or__(self, other: Policy) -> Policy:
+        return _Either(self, _as_policy(other))  # type: ignore[arg-type]
+
+    def __ror__(self, other: Policy) -> Policy:
+        return _Either(_as_policy(other), self)  # type: ignore[arg-type]
+
+    def __and__(self, other: Policy) -> Policy:
+        return _Both(self, _as_policy(other))  # type: ignore[arg-type]
+
+    def __rand__(self, other: Policy) -> Policy:
+        return _Both(_as_policy(other), self)  # type: ignore[arg-type]
+
+    def __invert__(self) -> Policy:
+        return _Not(self)  # type: ignore[arg-type]
+
+    def references(self) -> References:
+        return References()
+
+
+@dataclass(frozen=True, repr=False)
+class _Constant(PolicyBase):
     """Answers the same for every op."""
 
     answer: bool
@@ -66,30 +136,34 @@ everything_saveable = _Constant(True, "everything_saveable")
 nothing_saveable = _Constant(False, "nothing_saveable")
 
 
-@dataclass(frozen=True)
-class SaveOps:
+@dataclass(frozen=True, repr=False)
+class SaveOps(PolicyBase):
     """Keeps the outputs of the listed ops (matched by overload packet)."""
 
     ops: frozenset[str]
     label: str = ""
+    expected: tuple[frozenset[str], ...] = field(default=(), compare=False)
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
         return op_key(op) in self.ops
 
     def __repr__(self) -> str:
-        return self.label or f"save_ops({', '.join(sorted(self.ops))})"
+        parts = [describe_group(g) for g in self.expected] if self.expected else sorted(self.ops)
+        return self.label or f"save_ops({', '.join(parts)})"
+
+    def references(self) -> References:
+        return References(ops=self.expected)
 
 
 def save_ops(*ops: OpLike | frozenset[str]) -> SaveOps:
     """Keep the outputs of these ops and op groups.
 
     ``save_ops(torch.ops.aten.mm, "aten::bmm")``, ``save_ops(DOTS, ATTENTION, "mylib::fused")``:
-    groups are sets of op names, so extending one is adding names to it.
+    groups are sets of op names, so extending one is adding names to it. remat warns when
+    a listed op (or every op of a listed group) never occurs in the traced function.
     """
-    keys: set[str] = set()
-    for op in ops:
-        keys |= op if isinstance(op, frozenset) else {op_key(op)}
-    return SaveOps(frozenset(keys))
+    expected = tuple(op if isinstance(op, frozenset) else frozenset([op_key(op)]) for op in ops)
+    return SaveOps(frozenset().union(*expected), expected=expected)
 
 
 # Matrix multiplies are the expensive ops: keep their outputs, recompute the cheap rest.
@@ -101,7 +175,6 @@ checkpoint_dots = dots_saveable
 dots_with_no_batch_dims_saveable = SaveOps(DOTS_NO_BATCH, "dots_with_no_batch_dims_saveable")
 checkpoint_dots_with_no_batch_dims = dots_with_no_batch_dims_saveable
 
-
 # The common large-model recipe: keep matmul and fused-attention outputs, recompute the
 # cheap elementwise rest (norms, activations, dropout).
 dots_and_attention_saveable = SaveOps(DOTS | ATTENTION, "dots_and_attention_saveable")
@@ -111,37 +184,25 @@ def _names_repr(function: str, names: frozenset[str]) -> str:
     return f"{function}({', '.join(repr(n) for n in sorted(names))})"
 
 
-@dataclass(frozen=True)
-class _SaveOnlyNames:
+@dataclass(frozen=True, repr=False)
+class _NamePolicy(PolicyBase):
+    """Decides by checkpoint_name; `unnamed` is the answer for values without a name."""
+
     names: frozenset[str]
+    keep_listed: bool
+    unnamed: bool
+    function: str
 
     def __call__(self, op: Any, *args: Any, name: str | None = None, **kwargs: Any) -> bool:
-        return name is not None and name in self.names
+        if name is None:
+            return self.unnamed
+        return (name in self.names) == self.keep_listed
 
     def __repr__(self) -> str:
-        return _names_repr("save_only_these_names", self.names)
+        return _names_repr(self.function, self.names)
 
-
-@dataclass(frozen=True)
-class _SaveAnyNamesBut:
-    names: frozenset[str]
-
-    def __call__(self, op: Any, *args: Any, name: str | None = None, **kwargs: Any) -> bool:
-        return name is not None and name not in self.names
-
-    def __repr__(self) -> str:
-        return _names_repr("save_any_names_but_these", self.names)
-
-
-@dataclass(frozen=True)
-class _SaveAnythingExcept:
-    names: frozenset[str]
-
-    def __call__(self, op: Any, *args: Any, name: str | None = None, **kwargs: Any) -> bool:
-        return name not in self.names
-
-    def __repr__(self) -> str:
-        return _names_repr("save_anything_except_these_names", self.names)
+    def references(self) -> References:
+        return References(names=self.names)
 
 
 def _name_set(function: str, names: tuple[Any, ...]) -> frozenset[str]:
@@ -153,21 +214,23 @@ def _name_set(function: str, names: tuple[Any, ...]) -> frozenset[str]:
 
 def save_only_these_names(*names: str) -> Policy:
     """Keep the values tagged with one of these names, nothing else."""
-    return _SaveOnlyNames(_name_set("save_only_these_names", names))
+    return _NamePolicy(_name_set("save_only_these_names", names), True, False, "save_only_these_names")
 
 
 def save_any_names_but_these(*names: str) -> Policy:
     """Keep every named value except these; unnamed values are never kept."""
-    return _SaveAnyNamesBut(_name_set("save_any_names_but_these", names))
+    return _NamePolicy(_name_set("save_any_names_but_these", names), False, False, "save_any_names_but_these")
 
 
 def save_anything_except_these_names(*names: str) -> Policy:
     """Keep every value except the ones tagged with these names (named or not)."""
-    return _SaveAnythingExcept(_name_set("save_anything_except_these_names", names))
+    return _NamePolicy(
+        _name_set("save_anything_except_these_names", names), False, True, "save_anything_except_these_names"
+    )
 
 
-@dataclass(frozen=True)
-class _Either:
+@dataclass(frozen=True, repr=False)
+class _Either(PolicyBase):
     first: Policy
     second: Policy
 
@@ -175,9 +238,83 @@ class _Either:
         return self.first(op, *args, **kwargs) or self.second(op, *args, **kwargs)
 
     def __repr__(self) -> str:
-        return f"save_from_both_policies({self.first!r}, {self.second!r})"
+        return f"({self.first!r} | {self.second!r})"
+
+    def references(self) -> References:
+        return references(self.first) | references(self.second)
+
+
+@dataclass(frozen=True, repr=False)
+class _Both(PolicyBase):
+    first: Policy
+    second: Policy
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        return self.first(op, *args, **kwargs) and self.second(op, *args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"({self.first!r} & {self.second!r})"
+
+    def references(self) -> References:
+        return references(self.first) | references(self.second)
+
+
+@dataclass(frozen=True, repr=False)
+class _Not(PolicyBase):
+    policy: Policy
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        answer = self.policy(op, *args, **kwargs)
+        return (not answer) if isinstance(answer, bool) else answer  # a non-bool stays wrong, and is reported
+
+    def __repr__(self) -> str:
+        return f"~{self.policy!r}"
+
+    def references(self) -> References:
+        return references(self.policy)
 
 
 def save_from_both_policies(first: Policy, second: Policy) -> Policy:
-    """Keep what either policy keeps (a logical OR)."""
-    return _Either(first, second)
+    """Keep what either policy keeps (a logical OR; the same as ``first | second``)."""
+    return _Either(_as_policy(first), _as_policy(second))
+
+
+def _output_bytes(output: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in optree.tree_leaves(output) if isinstance(t, torch.Tensor))
+
+
+@dataclass(frozen=True, repr=False)
+class _OutputPredicate(PolicyBase):
+    """Decides from the op's output, computed on meta tensors (shapes and dtypes only)."""
+
+    predicate: Callable[[Any], bool]
+    label: str
+
+    def __call__(self, op: Any, *args: Any, name: str | None = None, **kwargs: Any) -> bool:
+        try:
+            output = op(*args, **kwargs)
+        except Exception:  # an op without a meta kernel: we cannot know its size, so recompute
+            return False
+        return bool(self.predicate(output))
+
+    def __repr__(self) -> str:
+        return self.label
+
+
+def keep_outputs_where(predicate: Callable[[Any], bool], label: str | None = None) -> Policy:
+    """Keep an op's output when ``predicate(output)`` is true; `output` is a meta tensor
+    with the shape and dtype the op produces, or a tuple of them for a multi-output op."""
+    return _OutputPredicate(predicate, label or f"keep_outputs_where({getattr(predicate, '__name__', predicate)!s})")
+
+
+@dataclass(frozen=True)
+class _SmallerThan:
+    nbytes: int
+
+    def __call__(self, output: Any) -> bool:
+        return _output_bytes(output) < self.nbytes
+
+
+def output_smaller_than(nbytes: int) -> Policy:
+    """Keep outputs smaller than `nbytes` (cheap to keep, maybe costly to recompute)."""
+    return _OutputPredicate(_SmallerThan(int(nbytes)), f"output_smaller_than({int(nbytes)})")

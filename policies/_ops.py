@@ -88,3 +88,21 @@ COLLECTIVES: frozenset[str] = op_keys(
         "_c10d_functional::wait_tensor",
     ]
 )
+
+
+GROUPS: dict[str, frozenset[str]] = {
+    "DOTS": DOTS,
+    "DOTS_NO_BATCH": DOTS_NO_BATCH,
+    "DOTS_BATCHED": DOTS_BATCHED,
+    "ATTENTION": ATTENTION,
+    "CONVOLUTIONS": CONVOLUTIONS,
+    "COLLECTIVES": COLLECTIVES,
+}
+
+
+def describe_group(group: frozenset[str]) -> str:
+    """A group's name if it is a built-in group, else its ops."""
+    for name, members in GROUPS.items():
+        if group == members:
+            return name
+    return " or ".join(sorted(group))

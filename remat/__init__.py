@@ -9,10 +9,13 @@ from __future__ import annotations
 from . import policies
 from ._debugging import RecomputeMismatchError
 from ._executing import RematError
-from ._inspecting import Residual, print_saved_residuals, saved_residuals
+from ._layers import checkpoint_layers, policy_schedule
+from ._inspecting import Recompute, Report, Residual, print_saved_residuals, report, saved_residuals
 from ._measuring import saved_tensor_bytes
+from ._partitioning import RematPolicyWarning
 from ._naming import checkpoint_name
-from ._remat import Rematerialized, checkpoint, remat
+from ._comparing import Comparison, compare, format_comparison, plot_frontier
+from ._remat import Rematerialized, checkpoint, remat, using_policy, without_remat
 from ._tracing import RematTraceError
 
 __all__ = [
@@ -23,10 +26,22 @@ __all__ = [
     "print_saved_residuals",
     "saved_tensor_bytes",
     "Residual",
+    "Report",
+    "Recompute",
+    "report",
     "Rematerialized",
     "RematError",
     "RematTraceError",
     "RecomputeMismatchError",
+    "RematPolicyWarning",
     "policies",
+    "using_policy",
+    "without_remat",
+    "compare",
+    "Comparison",
+    "format_comparison",
+    "plot_frontier",
+    "policy_schedule",
+    "checkpoint_layers",
 ]
 __version__ = "0.1.0"

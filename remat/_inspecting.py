@@ -1,10 +1,11 @@
-"""Inspecting: what remat regions keep for backward, listed for people."""
+"""Inspecting: what remat regions keep for backward and what backward recomputes."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import optree
@@ -21,7 +22,7 @@ class Residual:
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
-    kind: str  # "input" (kept by reference), "intermediate" (computed and kept), or "rng" (a generator state to replay a random op)
+    kind: str  # "input" (kept by reference), "intermediate" (computed and kept), "rng" (a generator state to replay a random op), "debug"
     op: Any  # the aten op that produced it; None for inputs
     name: str | None  # its checkpoint_name, if any
     source: str | None  # argument path for inputs, the user's file:line for intermediates
@@ -37,17 +38,99 @@ class Residual:
             what += f" from {self.source}"
         if self.name:
             what += f" named {self.name!r}"
-        dtype = str(self.dtype).replace("torch.", "")
-        return f"{dtype}{list(self.shape)} {_human(self.nbytes)} {what} [{self.region}]"
+        return f"{_dtype(self.dtype)}{list(self.shape)} {human_bytes(self.nbytes)} {what} [{self.region}]"
 
 
-def _human(nbytes: int) -> str:
+@dataclass(frozen=True)
+class Recompute:
+    """One op a region's backward re-runs because its policy did not keep the value."""
+
+    op: Any
+    source: str | None
+    flops: int
+    region: str
+
+
+@dataclass
+class Report:
+    """What the remat regions reached by a call keep and recompute, one entry per region call."""
+
+    residuals: list[Residual] = field(default_factory=list)
+    recomputes: list[Recompute] = field(default_factory=list)
+    calls: int = 0  # remat region calls seen
+
+    @property
+    def kept_bytes(self) -> int:
+        return sum(r.nbytes for r in self.residuals)
+
+    @property
+    def recompute_flops(self) -> int:
+        return sum(r.flops for r in self.recomputes)
+
+    def by_region(self) -> dict[str, tuple[int, int]]:
+        """Per region: (bytes kept, FLOPs recomputed)."""
+        totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for r in self.residuals:
+            totals[r.region][0] += r.nbytes
+        for c in self.recomputes:
+            totals[c.region][1] += c.flops
+        return {region: (kept, flop) for region, (kept, flop) in totals.items()}
+
+    def __str__(self) -> str:
+        header = ("region", "kind", "op", "name", "shape", "dtype", "bytes", "source")
+        rows = [
+            (r.region, r.kind, _op(r.op), r.name or "-", str(list(r.shape)), _dtype(r.dtype), human_bytes(r.nbytes), r.source or "-")
+            for r in self.residuals
+        ]
+        lines = _table(header, rows)
+        if self.recomputes:
+            lines += ["", "recomputed in backward:"]
+            grouped: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+            for c in self.recomputes:
+                grouped[(c.region, _op(c.op), c.source or "-")].append(c.flops)
+            lines += _table(
+                ("region", "op", "source", "times", "FLOPs"),
+                [(reg, op, src, str(len(f)), human_flops(sum(f))) for (reg, op, src), f in grouped.items()],
+            )
+        lines += ["", "per region:"]
+        lines += _table(
+            ("region", "kept", "recomputed FLOPs"),
+            [(reg, human_bytes(kept), human_flops(flop)) for reg, (kept, flop) in self.by_region().items()],
+        )
+        lines.append(
+            f"total: {self.kept_bytes} bytes ({human_bytes(self.kept_bytes)}) in {len(self.residuals)} tensors; "
+            f"backward recomputes {human_flops(self.recompute_flops)}FLOP"
+        )
+        return "\n".join(lines)
+
+
+def _op(op: Any) -> str:
+    return "-" if op is None else str(op)
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(x) for x in column) for column in zip(header, *rows)]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
+
+
+def human_bytes(nbytes: int) -> str:
     size = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if size < 1024 or unit == "GiB":
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{nbytes} B"
+
+
+def human_flops(count: int) -> str:
+    for scale, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} "
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -57,37 +140,41 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return count * dtype.itemsize
 
 
-def residuals_of(plan: Plan) -> list[Residual]:
-    """The residuals of one plan: kept inputs, then kept intermediates."""
+def plan_report(plan: Plan) -> Report:
+    """What one plan keeps (kept inputs, then kept values) and recomputes."""
     captured = plan.captured
-    found = []
+    report = Report()
     for i in plan.part.saved_inputs:
         val = captured.input_values[i]
         shape = tuple(val.shape)
-        found.append(Residual(shape, val.dtype, _nbytes(shape, val.dtype), "input", None, None, captured.input_paths[i], plan.region))
-    for kept in plan.part.kept:
-        found.append(
-            Residual(
-                kept.shape, kept.dtype, _nbytes(kept.shape, kept.dtype), kept.kind, kept.op, kept.name, kept.source,
-                captured.scopes[kept.scope].region,
-            )
+        report.residuals.append(
+            Residual(shape, val.dtype, _nbytes(shape, val.dtype), "input", None, None, captured.input_paths[i], plan.region)
         )
-    return found
+    for kept in plan.part.kept:
+        region = captured.scopes[kept.scope].region
+        nbytes = _nbytes(kept.shape, kept.dtype)
+        report.residuals.append(Residual(kept.shape, kept.dtype, nbytes, kept.kind, kept.op, kept.name, kept.source, region))
+    for op in plan.part.recomputed:
+        report.recomputes.append(Recompute(op.op, op.source, op.flops, captured.scopes[op.scope].region))
+    return report
 
 
-_recorder: contextvars.ContextVar[list[Residual] | None] = contextvars.ContextVar("remat_recorder", default=None)
+_recorder: contextvars.ContextVar[Report | None] = contextvars.ContextVar("remat_recorder", default=None)
 
 
 def record(plan: Plan) -> None:
-    """Called by every remat region when it runs; a no-op unless saved_residuals listens."""
+    """Called by every remat region when it runs; a no-op unless a report is being made."""
     sink = _recorder.get()
     if sink is not None:
-        sink.extend(residuals_of(plan))
+        found = plan_report(plan)
+        sink.calls += 1
+        sink.residuals.extend(found.residuals)
+        sink.recomputes.extend(found.recomputes)
 
 
 @contextlib.contextmanager
-def _recording() -> Iterator[list[Residual]]:
-    sink: list[Residual] = []
+def recording() -> Iterator[Report]:
+    sink = Report()
     token = _recorder.set(sink)
     try:
         yield sink
@@ -95,11 +182,13 @@ def _recording() -> Iterator[list[Residual]]:
         _recorder.reset(token)
 
 
-def saved_residuals(f: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Residual]:
-    """What the remat regions reached by `f(*args, **kwargs)` keep for backward.
+def report(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
+    """What the remat regions reached by `f(*args, **kwargs)` keep and recompute.
 
     Differentiates with respect to every floating-point tensor in `args` (as
-    `torch.func.vjp(f, *args)` would) without running backward.
+    `torch.func.vjp(f, *args)` would) without running backward. `print(report(...))`
+    shows a table of every kept tensor, what backward recomputes and its FLOPs, and
+    totals per region and overall.
     """
     leaves, spec = optree.tree_flatten(args)
     moving = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
@@ -111,14 +200,16 @@ def saved_residuals(f: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Re
         out = f(*optree.tree_unflatten(spec, full), **kwargs)
         return [x for x in optree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
-    with _recording() as sink:
+    with recording() as sink:
         torch.func.vjp(g, *[leaves[i] for i in moving])
     return sink
 
 
+def saved_residuals(f: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Residual]:
+    """The tensors the remat regions reached by `f(*args, **kwargs)` keep for backward."""
+    return report(f, *args, **kwargs).residuals
+
+
 def print_saved_residuals(f: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
-    """Print `saved_residuals(f, *args, **kwargs)`, one line each, then the total bytes."""
-    found = saved_residuals(f, *args, **kwargs)
-    for r in found:
-        print(r.describe())
-    print(f"total: {sum(r.nbytes for r in found)} bytes ({_human(sum(r.nbytes for r in found))}) in {len(found)} tensors")
+    """Print `report(f, *args, **kwargs)`: the kept tensors, what is recomputed, totals."""
+    print(report(f, *args, **kwargs))

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import operator
+from typing import Any
 
+import optree
 import torch
 import torch.fx
 
@@ -36,3 +38,20 @@ def is_random(node: torch.fx.Node) -> bool:
 
 def is_tuple(node: torch.fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        val = value.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device="meta")
+        return val
+    return value
+
+
+def meta_arguments(node: torch.fx.Node) -> tuple[Any, dict[str, Any]]:
+    """The node's args and kwargs with every input replaced by a data-free meta tensor."""
+    is_node = lambda x: isinstance(x, torch.fx.Node)  # noqa: E731
+    args = optree.tree_map(_to_meta, node.args, is_leaf=is_node, none_is_leaf=True)
+    kwargs = optree.tree_map(_to_meta, node.kwargs, is_leaf=is_node, none_is_leaf=True)
+    return args, kwargs

@@ -11,15 +11,18 @@ generator state its forward run captured, so recompute draws the same numbers.
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Sequence
 
-import optree
 import torch
 import torch.fx
 
 from ._naming import node_name
-from ._nodes import is_random, is_tuple, is_view, producer
+from ._nodes import is_random, is_tuple, is_view, meta_arguments, producer
+from remat.policies import describe_group, op_key, references
+
+from ._costs import flops
 from ._debugging import check_recomputed
 from ._randomness import RNG_KEY, capture_rng_state, replay_random, state_shape
 from ._tracing import SCOPE_KEY, SOURCE_KEY, Scope
@@ -50,6 +53,16 @@ class KeptValue:
     scope: int = 0  # which remat region (0: the outermost; then nested ones) produced it
 
 
+@dataclass(frozen=True)
+class RecomputedOp:
+    """One op the backward re-runs, with what that costs."""
+
+    op: Any
+    source: str | None
+    flops: int
+    scope: int = 0
+
+
 @dataclass
 class Partition:
     forward: torch.fx.GraphModule  # inputs -> outputs, residuals that are not outputs, rng states
@@ -58,7 +71,7 @@ class Partition:
     saved_inputs: list[int]
     residual_outputs: list[int]  # where each kept value (residuals, rng states, debug values) sits among forward's outputs
     kept: list[KeptValue]
-    recomputed: list[torch.fx.Node]
+    recomputed: list[RecomputedOp]  # what backward re-runs (views and tuple items, which are free, left out)
     replayed: list[int]  # rng index of each random op backward replays, in the order of its states
     checked: int  # debug mode: how many recomputed values backward compares with the forward's
     has_random: bool  # whether the forward draws random numbers at all
@@ -250,7 +263,11 @@ def partition(
         kept=[_describe(r) for r in residual_list]
         + [_describe_state(n) for n in replayed]
         + [replace(_describe(n), kind="debug") for n in checked],
-        recomputed=[n for n in graph.nodes if n in recompute and n.op == "call_function"],
+        recomputed=[
+            _describe_recompute(n)
+            for n in graph.nodes
+            if n in recompute and n.op == "call_function" and n.target is not operator.getitem and not is_view(n)
+        ],
         replayed=[n.meta.get("custom", {}).get(RNG_KEY, -1) for n in replayed],
         checked=len(checked),
         has_random=any(is_random(n) for n in keep_forward if n.op == "call_function"),
@@ -285,6 +302,11 @@ def _replay(
     new = graph.call_function(replay_random, (state, _device_of(node), node.target, *args), dict(kwargs))
     new.meta = dict(node.meta)
     return new
+
+
+def _describe_recompute(node: torch.fx.Node) -> RecomputedOp:
+    custom = node.meta.get("custom", {})
+    return RecomputedOp(node.target, custom.get(SOURCE_KEY), flops(node), custom.get(SCOPE_KEY, 0))
 
 
 def _describe_state(node: torch.fx.Node) -> KeptValue:
@@ -352,15 +374,6 @@ def _describe(node: torch.fx.Node) -> KeptValue:
     )
 
 
-def _to_meta(value: Any) -> Any:
-    if isinstance(value, torch.fx.Node):
-        val = value.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device="meta")
-        return val
-    return value
-
-
 def policy_decider(scopes: Sequence[Scope]) -> Decide:
     """Ask the policy governing each node (its innermost remat region's) about it, with
     data-free meta tensors; insist on a bool. A region without a policy keeps nothing."""
@@ -370,8 +383,7 @@ def policy_decider(scopes: Sequence[Scope]) -> Decide:
         if policy is None:
             return False
         op = node.target
-        args = optree.tree_map(_to_meta, node.args, is_leaf=lambda x: isinstance(x, torch.fx.Node), none_is_leaf=True)
-        kwargs = optree.tree_map(_to_meta, node.kwargs, is_leaf=lambda x: isinstance(x, torch.fx.Node), none_is_leaf=True)
+        args, kwargs = meta_arguments(node)
         name = node_name(node)
         if name is not None:
             kwargs = {**kwargs, "name": name}
@@ -384,3 +396,39 @@ def policy_decider(scopes: Sequence[Scope]) -> Decide:
         return answer
 
     return decide
+
+
+class RematPolicyWarning(UserWarning):
+    """A policy refers to an op or a name that the traced function never produces."""
+
+
+def warn_unmatched_references(scopes: Sequence[Scope], graph: torch.fx.Graph) -> None:
+    """Warn when a policy names ops or checkpoint_names that never occur in its region:
+    such a policy silently keeps nothing of what its author meant."""
+    ops: dict[int, set[str]] = {k: set() for k in range(len(scopes))}
+    names: dict[int, set[str]] = {k: set() for k in range(len(scopes))}
+    for node in graph.nodes:
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+            scope = node.meta.get("custom", {}).get(SCOPE_KEY, 0)
+            ops[scope].add(op_key(node.target))
+            if node_name(node) is not None:
+                names[scope].add(node_name(node))  # type: ignore[arg-type]
+    for k, scope in enumerate(scopes):
+        refs = references(scope.policy)
+        missing_ops = [describe_group(group) for group in refs.ops if not group & ops[k]]
+        missing_names = sorted(refs.names - names[k])
+        if missing_ops:
+            warnings.warn(
+                f"remat({scope.region}): policy {scope.policy!r} names ops that never occur in the traced "
+                f"function: {', '.join(missing_ops)}. Ops that occur: {', '.join(sorted(ops[k])) or 'none'}.",
+                RematPolicyWarning,
+                stacklevel=4,
+            )
+        if missing_names:
+            warnings.warn(
+                f"remat({scope.region}): policy {scope.policy!r} names values that never occur: "
+                f"{', '.join(map(repr, missing_names))}. checkpoint_names that occur: "
+                f"{', '.join(map(repr, sorted(names[k]))) or 'none'}.",
+                RematPolicyWarning,
+                stacklevel=4,
+            )

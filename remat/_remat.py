@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import optree
 import torch
@@ -13,7 +15,7 @@ import torch
 from ._arguments import Call, positional_names, split_call
 from ._executing import Plan, RematFunction
 from ._inspecting import record
-from ._partitioning import partition, policy_decider
+from ._partitioning import partition, policy_decider, warn_unmatched_references
 from ._tracing import capture, differentiate, inside_trace, nested_region
 
 
@@ -46,6 +48,36 @@ def _plan_store(fn: Callable[..., Any], settings: tuple[Any, ...]) -> dict[Any, 
     except TypeError:  # not weak-referenceable: plans live with the wrapper
         return {}
     return per_owner.setdefault((function, settings), {})
+
+
+_NO_REMAT = ("no remat",)
+# A policy that replaces every region's own (wrapped in a 1-tuple, since None is a policy),
+# or _NO_REMAT to run every region's function as it is.
+_OVERRIDE: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar("remat_override", default=None)
+
+
+@contextlib.contextmanager
+def using_policy(policy: Callable[..., bool] | None) -> Iterator[None]:
+    """Give every remat region called inside the same policy, whatever its own.
+
+    For experiments: `with using_policy(P.dots_saveable): loss(params, batch)`. Plans
+    traced under an override are cached apart from the regions' own.
+    """
+    token = _OVERRIDE.set((policy,))
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+@contextlib.contextmanager
+def without_remat() -> Iterator[None]:
+    """Run every remat region's function as it is: plain autograd, for comparison."""
+    token = _OVERRIDE.set(_NO_REMAT)
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
 
 
 def region_name(fn: Callable[..., Any]) -> str:
@@ -90,7 +122,7 @@ class Rematerialized:
         self.debug = debug
         self.region = region_name(fn)
         self._names = positional_names(fn)
-        self._plans = _plan_store(fn, (policy, self.static_argnums, self.static_argnames, debug))
+        self._plans = self._plans_for(policy)
         self._hits = 0
         self._traces = 0
         for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
@@ -106,18 +138,20 @@ class Rematerialized:
         return {"hits": self._hits, "traces": self._traces, "size": len(self._plans)}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if inside_trace():  # nested in a region being traced: inline, under this region's policy
-            with nested_region(self.policy, self.region):
-                return self.fn(*args, **kwargs)
-        if not torch.is_grad_enabled():
+        override = _OVERRIDE.get()
+        if override is _NO_REMAT or not torch.is_grad_enabled():
             return self.fn(*args, **kwargs)
+        policy, plans = (self.policy, self._plans) if override is None else (override[0], self._plans_for(override[0]))
+        if inside_trace():  # nested in a region being traced: inline, under this region's policy
+            with nested_region(policy, self.region):
+                return self.fn(*args, **kwargs)
         call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames)
-        if call.key in self._plans:
+        if call.key in plans:
             self._hits += 1
-            plan = self._plans[call.key]
+            plan = plans[call.key]
         else:
-            plan = self._build(call)
-            self._plans[call.key] = plan
+            plan = self._build(call, policy)
+            plans[call.key] = plan
         if plan is None:  # nothing needs a gradient: there is nothing to checkpoint
             return self.fn(*args, **kwargs)
         record(plan)
@@ -126,9 +160,12 @@ class Rematerialized:
         self._apply_mutations(plan, inputs, results)
         return self._rebuild_outputs(plan, results)
 
-    def _build(self, call: Call) -> Plan | None:
+    def _plans_for(self, policy: Callable[..., bool] | None) -> dict[Any, Plan | None]:
+        return _plan_store(self.fn, (policy, self.static_argnums, self.static_argnames, self.debug))
+
+    def _build(self, call: Call, policy: Callable[..., bool] | None) -> Plan | None:
         self._traces += 1
-        captured = capture(self.fn, self.region, call, self.policy)
+        captured = capture(self.fn, self.region, call, policy)
         diff_inputs = [i for i, needs in enumerate(captured.input_needs_grad) if needs]
         if not diff_inputs:
             return None
@@ -139,6 +176,7 @@ class Rematerialized:
         joint = differentiate(captured, diff_inputs, float_outputs)
         n_outputs = captured.n_outputs + len(captured.mutated)
         decide = policy_decider(captured.scopes)
+        warn_unmatched_references(captured.scopes, captured.graph.graph)
         part = partition(
             joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=captured.mutated
         )

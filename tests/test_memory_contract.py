@@ -14,6 +14,8 @@ from remat import policies as P
 from remat import remat, saved_residuals, saved_tensor_bytes
 from zoo import ZOO, example
 
+pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")  # the shared name policies name values some functions lack
+
 
 def _call(fn: Any, x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
     return fn(x, p)

@@ -6,6 +6,7 @@ import math
 import os
 from typing import Callable
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -13,6 +14,8 @@ from hypothesis import strategies as st
 
 from conftest import POLICIES, assert_close
 from remat import remat
+
+pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")  # the shared name policies name values some functions lack
 
 D = torch.float64
 Op = Callable[[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]

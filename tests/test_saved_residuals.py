@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat import Residual, checkpoint_name, print_saved_residuals, remat, saved_residuals, saved_tensor_bytes
+from remat import Residual, checkpoint_name, print_saved_residuals, remat, report, saved_residuals, saved_tensor_bytes
 from remat import policies as P
 
 D = torch.float64
@@ -63,14 +63,27 @@ def test_report_equals_measured_bytes() -> None:
         assert sum(r.nbytes for r in saved_residuals(f, x, params)) == saved_tensor_bytes(f, x, params)
 
 
-def test_print_ends_with_the_total(capsys: pytest.CaptureFixture[str]) -> None:
+def test_print_is_a_table_with_recompute_costs_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
     x, params = _args()
     print_saved_residuals(remat(layer, policy=P.dots_saveable), x, params)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert "from the argument x" in lines[0]
-    assert any("output of aten.mm.default from test_saved_residuals.py:" in line for line in lines)
-    total = sum(r.nbytes for r in saved_residuals(remat(layer, policy=P.dots_saveable), x, params))
-    assert lines[-1].startswith(f"total: {total} bytes")
+    assert lines[0].split() == ["region", "kind", "op", "name", "shape", "dtype", "bytes", "source"]
+    assert any(line.split()[:3] == ["layer", "input", "-"] and line.endswith("x") for line in lines)
+    assert any("aten.mm.default" in line and "test_saved_residuals.py:" in line for line in lines)
+    gelu = next(line for line in lines if line.startswith("layer") and "aten.gelu.default" in line)
+    assert gelu.split()[-1] == "20"  # 4x5 elements, one FLOP each
+    total = report(remat(layer, policy=P.dots_saveable), x, params)
+    assert lines[-1].startswith(f"total: {total.kept_bytes} bytes")
+    assert total.recompute_flops == 20 and total.by_region() == {"layer": (total.kept_bytes, 20)}
+
+
+def test_recompute_flops_count_matmuls_with_torch_formulas() -> None:
+    x, params = _args()
+    nothing = report(remat(layer, policy=P.nothing_saveable), x, params)
+    everything = report(remat(layer, policy=P.everything_saveable), x, params)
+    mm = 2 * 4 * 3 * 5  # x[4,3] @ w1[3,5]
+    assert nothing.recompute_flops == mm + 20 and everything.recompute_flops == 0
+    assert nothing.kept_bytes < everything.kept_bytes
 
 
 def test_non_tensor_arguments_are_allowed() -> None:

@@ -13,6 +13,8 @@ from conftest import POLICIES, assert_close
 from remat import remat
 from zoo import ZOO, example
 
+pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")  # the shared name policies name values some functions lack
+
 Fn = Callable[..., torch.Tensor]
 _WRAPPED: dict[tuple[str, str], Any] = {}
 

@@ -1,0 +1,84 @@
+"""Per-layer policies: one policy per layer of a stack, from a list, a function or names."""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ._remat import remat
+
+PolicySpec = Any  # a policy, a list of them, a function of the layer index, or {name pattern: policy}
+
+
+def _is_index_function(spec: Any) -> bool:
+    """A function of the layer index takes one positional parameter; a policy takes *args."""
+    if not callable(spec) or hasattr(spec, "references"):
+        return False
+    try:
+        params = list(inspect.signature(spec).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
+
+
+def policy_schedule(spec: PolicySpec, layers: int | Sequence[str]) -> list[Any]:
+    """One policy per layer.
+
+    `layers` is the number of layers or their names. `spec` is one of:
+    a policy (the same for every layer; `None` keeps nothing but inputs);
+    a list with one policy per layer;
+    a function of the layer index, e.g. `lambda i: P.dots_saveable if i < 6 else None`;
+    a mapping from layer names (or glob patterns such as "blocks.1*", or indices) to
+    policies: the first matching entry wins; "no remat" marks layers to leave alone.
+
+    >>> from remat import policies as P
+    >>> policy_schedule(lambda i: P.dots_saveable if i < 2 else P.nothing_saveable, 3)
+    [dots_saveable, dots_saveable, nothing_saveable]
+    """
+    names = [str(i) for i in range(layers)] if isinstance(layers, int) else [str(n) for n in layers]
+    if isinstance(spec, (list, tuple)):
+        if len(spec) != len(names):
+            raise ValueError(f"policy_schedule: {len(spec)} policies given for {len(names)} layers")
+        return list(spec)
+    if isinstance(spec, Mapping):
+        schedule = []
+        for index, name in enumerate(names):
+            match = next(
+                (p for pattern, p in spec.items() if pattern == index or fnmatch.fnmatchcase(name, str(pattern))),
+                _MISSING,
+            )
+            if match is _MISSING:
+                raise KeyError(f"policy_schedule: no entry matches layer {name!r}; add it or a pattern such as '*'")
+            schedule.append(match)
+        return schedule
+    if _is_index_function(spec):
+        return [spec(i) for i in range(len(names))]
+    return [spec] * len(names)
+
+
+_MISSING = object()
+NO_REMAT = "no remat"
+
+
+def checkpoint_layers(layers: torch.nn.ModuleList | Sequence[torch.nn.Module], spec: PolicySpec) -> list[Any]:
+    """Rematerialize each module of a stack with its own policy, in place.
+
+    Each layer's `forward` is replaced by `remat(forward, policy=...)`, so the model's own
+    loop (`for block in self.blocks: x = block(x)`) needs no change. Returns the schedule.
+    Names for a mapping `spec` are the layers' indices ("0", "1", ...).
+    """
+    modules = list(layers)
+    schedule = policy_schedule(spec, len(modules))
+    for module, policy in zip(modules, schedule):
+        original = module.__dict__.get("_remat_original_forward", module.forward)
+        module.__dict__["_remat_original_forward"] = original
+        if isinstance(policy, str) and policy == NO_REMAT:
+            module.forward = original  # type: ignore[method-assign]
+        else:
+            module.forward = remat(original, policy=policy)  # type: ignore[method-assign]
+    return schedule
+
