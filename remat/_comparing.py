@@ -134,13 +134,16 @@ def plot_frontier(rows: Sequence[Comparison], path: str, title: str = "memory ke
     except ImportError:
         raise ImportError("plot_frontier needs matplotlib: pip install 'remat[plot]'") from None
     timed = all(r.step_seconds is not None for r in rows)
-    xs = [r.step_seconds * 1e3 if timed else r.recompute_flops for r in rows]  # type: ignore[operator]
+    xs = [r.step_seconds * 1e3 if timed else r.recompute_flops / 1e6 for r in rows]  # type: ignore[operator]
     ys = [r.kept_bytes / 2**20 for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    ax.scatter(xs, ys, color="tab:blue")
-    for x, y, r in zip(xs, ys, rows):
-        ax.annotate(r.policy, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    ax.set_xlabel("forward+backward step (ms)" if timed else "FLOPs recomputed in backward")
+    points: dict[tuple[float, float], list[str]] = {}
+    for x, y, r in zip(xs, ys, rows):  # rows that land on one point share a label
+        points.setdefault((round(x, 6), round(y, 6)), []).append(r.policy)
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    ax.scatter(xs, ys, color="tab:blue", zorder=3)
+    for k, ((x, y), labels) in enumerate(sorted(points.items())):
+        ax.annotate(" = ".join(labels), (x, y), textcoords="offset points", xytext=(6, 8 if k % 2 else -12), fontsize=8)
+    ax.set_xlabel("forward+backward step (ms)" if timed else "recomputed in backward (MFLOP)")
     ax.set_ylabel("kept for backward (MiB)")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
