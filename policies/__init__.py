@@ -97,16 +97,16 @@ class PolicyBase:
     """What every built-in policy shares: combinators and the names it refers to."""
 
     def __or__(self, other: Policy) -> Policy:
-        return _Either(self, _as_policy(other))  # type: ignore[arg-type]
+        return _Combined(self, _as_policy(other), either=True)  # type: ignore[arg-type]
 
     def __ror__(self, other: Policy) -> Policy:
-        return _Either(_as_policy(other), self)  # type: ignore[arg-type]
+        return _Combined(_as_policy(other), self, either=True)  # type: ignore[arg-type]
 
     def __and__(self, other: Policy) -> Policy:
-        return _Both(self, _as_policy(other))  # type: ignore[arg-type]
+        return _Combined(self, _as_policy(other), either=False)  # type: ignore[arg-type]
 
     def __rand__(self, other: Policy) -> Policy:
-        return _Both(_as_policy(other), self)  # type: ignore[arg-type]
+        return _Combined(_as_policy(other), self, either=False)  # type: ignore[arg-type]
 
     def __invert__(self) -> Policy:
         return _Not(self)  # type: ignore[arg-type]
@@ -230,30 +230,21 @@ def save_anything_except_these_names(*names: str) -> Policy:
 
 
 @dataclass(frozen=True, repr=False)
-class _Either(PolicyBase):
+class _Combined(PolicyBase):
+    """`first | second` (either keeps) or `first & second` (both keep)."""
+
     first: Policy
     second: Policy
+    either: bool
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
-        return self.first(op, *args, **kwargs) or self.second(op, *args, **kwargs)
+        answer = self.first(op, *args, **kwargs)
+        if answer is self.either:  # decided without asking the second
+            return answer
+        return self.second(op, *args, **kwargs) if isinstance(answer, bool) else answer
 
     def __repr__(self) -> str:
-        return f"({self.first!r} | {self.second!r})"
-
-    def references(self) -> References:
-        return references(self.first) | references(self.second)
-
-
-@dataclass(frozen=True, repr=False)
-class _Both(PolicyBase):
-    first: Policy
-    second: Policy
-
-    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
-        return self.first(op, *args, **kwargs) and self.second(op, *args, **kwargs)
-
-    def __repr__(self) -> str:
-        return f"({self.first!r} & {self.second!r})"
+        return f"({self.first!r} {'|' if self.either else '&'} {self.second!r})"
 
     def references(self) -> References:
         return references(self.first) | references(self.second)
@@ -276,7 +267,7 @@ class _Not(PolicyBase):
 
 def save_from_both_policies(first: Policy, second: Policy) -> Policy:
     """Keep what either policy keeps (a logical OR; the same as ``first | second``)."""
-    return _Either(_as_policy(first), _as_policy(second))
+    return _Combined(_as_policy(first), _as_policy(second), either=True)
 
 
 def _output_bytes(output: Any) -> int:
