@@ -15,7 +15,7 @@ from ._measuring import saved_tensor_bytes
 from ._partitioning import RematPolicyWarning
 from ._naming import checkpoint_name
 from ._comparing import Comparison, compare, format_comparison, plot_frontier
-from ._remat import Rematerialized, checkpoint, remat, using_policy, without_remat
+from ._remat import Rematerialized, RematerializedModule, checkpoint, remat, using_policy, without_remat
 from ._tracing import RematTraceError
 
 __all__ = [
@@ -30,6 +30,7 @@ __all__ = [
     "Recompute",
     "report",
     "Rematerialized",
+    "RematerializedModule",
     "RematError",
     "RematTraceError",
     "RecomputeMismatchError",

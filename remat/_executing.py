@@ -1,8 +1,9 @@
 """Executing: the autograd.Function that runs a partitioned forward and backward.
 
 It composes with torch.func because it is a modern autograd.Function (forward and
-setup_context apart, a generated vmap rule, a jvp rule). Kept intermediates are outputs of
-the Function, so second-order gradients flow through them.
+setup_context apart, a generated vmap rule). Kept intermediates are outputs of the
+Function, so second-order gradients flow through them. It has no jvp rule: under
+forward-mode AD a region runs its function as it is (see Rematerialized.__call__).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any, Sequence
 import torch
 
 from ._partitioning import Partition, partition
-from ._torch_internals import forward_ad_active
 from ._tracing import DIFFERENTIABLE_KEY, Captured, vjp_of_graph
 
 
@@ -122,8 +122,6 @@ class RematFunction(torch.autograd.Function):
         ctx.save_for_backward(*kept)
         ctx.mark_non_differentiable(*[output[j] for j in plan.nondifferentiable_outputs])
         ctx.set_materialize_grads(False)
-        if forward_ad_active():
-            ctx.save_for_forward(*args)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -141,31 +139,3 @@ class RematFunction(torch.autograd.Function):
         for i, g in zip(plan.diff_inputs, input_grads):
             result[i + 1] = g
         return tuple(result)
-
-    @staticmethod
-    def jvp(ctx: Any, _plan_tangent: Any, *tangents: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        plan: Plan = ctx.plan
-        if plan.part.has_random:
-            raise RematError(
-                f"remat({plan.region}): forward-mode AD (jvp, jacfwd, hessian) through a region that "
-                "draws random numbers is not supported: the tangent would be computed from another "
-                "draw. Move the random op outside the remat'd function, or differentiate in reverse mode."
-            )
-        args = list(ctx.saved_for_forward)
-        moving = [i for i, a in enumerate(args) if _is_float(a)]
-
-        def forward(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            full = list(args)
-            for i, v in zip(moving, values):
-                full[i] = v
-            outs = plan.part.forward(*full)
-            return tuple(o for o in outs if _is_float(o))
-
-        primals = tuple(args[i] for i in moving)
-        directions = tuple(tangents[i] if tangents[i] is not None else torch.zeros_like(args[i]) for i in moving)
-        _, out_tangents = torch.func.jvp(forward, primals, directions)
-        it = iter(out_tangents)
-        tangents_out = [next(it) if _is_float(v) else None for v in plan.output_values]
-        for j in plan.nondifferentiable_outputs:
-            tangents_out[j] = None
-        return tuple(tangents_out)

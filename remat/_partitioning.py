@@ -74,7 +74,6 @@ class Partition:
     recomputed: list[RecomputedOp]  # what backward re-runs (views and tuple items, which are free, left out)
     replayed: list[int]  # rng index of each random op backward replays, in the order of its states
     checked: int  # debug mode: how many recomputed values backward compares with the forward's
-    has_random: bool  # whether the forward draws random numbers at all
 
 
 def _view_root(node: torch.fx.Node) -> torch.fx.Node:
@@ -207,11 +206,12 @@ def partition(
         if n in recompute and n.op == "call_function" and n.target is not operator.getitem and is_random(n)
     ]
     keep_forward = _ancestors(list(outs) + residual_list, set(placeholders))
-    checked = [
+    out_positions = {node: i for i, node in reversed(list(enumerate(outs))) if isinstance(node, torch.fx.Node)}
+    checked = [  # an output is not returned twice (that would make autograd drop its gradient)
         n for n in graph.nodes
         if debug and n in recompute and n in keep_forward and n.op == "call_function" and not is_tuple(n)
+        and n not in out_positions
     ]
-    out_positions = {node: i for i, node in reversed(list(enumerate(outs))) if isinstance(node, torch.fx.Node)}
     extra = [r for r in residual_list if r not in out_positions]
 
     def build_forward(lowered: bool) -> torch.fx.Graph:
@@ -227,7 +227,9 @@ def partition(
                 if lowered and node in replayed:
                     states.append(_capture_state(forward_graph, node))
                 env[node] = forward_graph.node_copy(node, env.__getitem__)
-        forward_outputs = [_distinct_output(forward_graph, env[o], o in input_set) for o in outs]
+        forward_outputs = [
+            _distinct_output(forward_graph, env[o], o in input_set or outs.index(o) < i) for i, o in enumerate(outs)
+        ]
         tail = states + [env[n] for n in checked] if lowered else []
         forward_graph.output(forward_outputs + [env[r] for r in extra] + tail)
         return forward_graph
@@ -270,7 +272,6 @@ def partition(
         ],
         replayed=[n.meta.get("custom", {}).get(RNG_KEY, -1) for n in replayed],
         checked=len(checked),
-        has_random=any(is_random(n) for n in keep_forward if n.op == "call_function"),
     )
 
 
@@ -336,9 +337,10 @@ def _module(root: torch.fx.GraphModule, graph: torch.fx.Graph) -> torch.fx.Graph
     return torch.fx.GraphModule(root, graph)
 
 
-def _distinct_output(graph: torch.fx.Graph, node: torch.fx.Node, is_input: bool) -> torch.fx.Node:
-    """An autograd.Function may not return an input as-is: return an alias (a free view)."""
-    if not is_input:
+def _distinct_output(graph: torch.fx.Graph, node: torch.fx.Node, needs_alias: bool) -> torch.fx.Node:
+    """An autograd.Function may not return an input as-is, nor one tensor twice (marking
+    one occurrence non-differentiable would mark both): return an alias, a free view."""
+    if not needs_alias:
         return node
     alias = graph.call_function(torch.ops.aten.alias.default, (node,))
     alias.meta = dict(node.meta)

@@ -16,6 +16,7 @@ from ._arguments import Call, positional_names, split_call
 from ._executing import Plan, RematFunction
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
+from ._torch_internals import forward_ad_active
 from ._tracing import capture, differentiate, inside_trace, nested_region
 
 
@@ -139,12 +140,16 @@ class Rematerialized:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         override = _OVERRIDE.get()
-        if override is _NO_REMAT or not torch.is_grad_enabled():
-            return self.fn(*args, **kwargs)
-        policy, plans = (self.policy, self._plans) if override is None else (override[0], self._plans_for(override[0]))
+        policy = self.policy if override is None or override is _NO_REMAT else override[0]
         if inside_trace():  # nested in a region being traced: inline, under this region's policy
             with nested_region(policy, self.region):
                 return self.fn(*args, **kwargs)
+        if override is _NO_REMAT or not torch.is_grad_enabled() or forward_ad_active():
+            # Nothing to keep, or forward-mode AD (jvp, jacfwd, hessian), whose tangents an
+            # autograd.Function's jvp rule cannot make exact under every nesting of
+            # transforms: run the function as it is, exactly as without remat.
+            return self.fn(*args, **kwargs)
+        plans = self._plans if override is None else self._plans_for(policy)
         call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames)
         if call.key in plans:
             self._hits += 1
@@ -232,7 +237,36 @@ def remat(
         return functools.partial(
             remat, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames, debug=debug
         )
-    return Rematerialized(fn, policy, static_argnums, static_argnames, debug)
+    wrapped = Rematerialized(fn, policy, static_argnums, static_argnames, debug)
+    return RematerializedModule(fn, wrapped) if isinstance(fn, torch.nn.Module) else wrapped
+
+
+class RematerializedModule(torch.nn.Module):
+    """`remat(module)`: an nn.Module that shares the wrapped module's parameters, buffers
+    and submodules under the same names, so `functional_call`, `state_dict`, optimizers
+    and `.to()` see the original; calling it runs the module through remat."""
+
+    def __init__(self, module: torch.nn.Module, rematerialized: Rematerialized) -> None:
+        super().__init__()
+        for table in ("_parameters", "_buffers", "_modules"):
+            self.__dict__[table] = getattr(module, table)  # the same dicts: one set of tensors
+        self.__dict__["wrapped_module"] = module
+        self.__dict__["rematerialized"] = rematerialized
+        self.training = module.training
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.rematerialized(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> RematerializedModule:
+        self.wrapped_module.train(mode)
+        self.training = mode
+        return self
+
+    def cache_info(self) -> dict[str, int]:
+        return self.rematerialized.cache_info()
+
+    def __repr__(self) -> str:
+        return f"remat({self.wrapped_module!r}, policy={self.rematerialized.policy!r})"
 
 
 checkpoint = remat

@@ -126,3 +126,19 @@ def test_changing_a_captured_number_or_module_setting_retraces() -> None:
     norm.eps = 0.5
     assert_close(g(y), torch.nn.functional.layer_norm(y, (3,), norm.weight, norm.bias, 0.5))
     assert f.cache_info()["traces"] == 2 and g.cache_info()["traces"] == 2
+
+
+def test_functional_call_over_a_rematerialized_module() -> None:
+    model, reference = _mlp(), _mlp()
+    wrapped = remat(model, policy=P.dots_saveable)
+    assert dict(wrapped.named_parameters()).keys() == dict(model.named_parameters()).keys()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    x = torch.randn(5, 4, dtype=D)
+
+    def objective(m: torch.nn.Module) -> object:
+        loss = lambda p, x: torch.func.functional_call(m, p, (x,)).pow(2).sum()  # noqa: E731
+        return torch.func.grad(loss)(params, x), vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+
+    assert_close(objective(wrapped), objective(reference))
+    wrapped.eval()
+    assert not model.training and not wrapped.training
