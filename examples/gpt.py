@@ -33,8 +33,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from remat import remat, saved_tensor_bytes
 from remat import policies as P
+from remat import remat, saved_tensor_bytes
 
 DATA = Path(__file__).resolve().parent / "data" / "harbour.txt"
 PLAIN = "plain"  # a block called without remat

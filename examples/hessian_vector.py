@@ -35,8 +35,8 @@ import torch
 from torch.func import grad, grad_and_value, hessian, jacrev, vmap
 from torch.utils._pytree import tree_leaves, tree_map
 
-from remat import remat, saved_tensor_bytes
 from remat import policies as P
+from remat import remat, saved_tensor_bytes
 
 Params = dict[str, Any]
 Block = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]

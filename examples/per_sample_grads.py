@@ -32,8 +32,8 @@ from torch.func import grad, vmap
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import checkpoint
 
-from remat import remat, saved_tensor_bytes
 from remat import policies as P
+from remat import remat, saved_tensor_bytes
 
 Params = dict[str, Any]
 Block = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]

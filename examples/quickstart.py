@@ -20,8 +20,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from remat import remat, saved_tensor_bytes
 from remat import policies as P
+from remat import remat, saved_tensor_bytes
 
 TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 40
 VOCAB = sorted(set(TEXT))

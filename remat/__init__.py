@@ -7,16 +7,15 @@ rest, under `.backward()` and every torch.func transform.
 from __future__ import annotations
 
 from . import policies
-from ._debugging import RecomputeMismatchError
-from ._executing import RematError
-from ._layers import checkpoint_layers, policy_schedule
-from ._inspecting import Recompute, Report, Residual, print_saved_residuals, report, saved_residuals
-from ._measuring import saved_tensor_bytes
-from ._partitioning import RematPolicyWarning
-from ._naming import checkpoint_name
 from ._comparing import Comparison, compare, format_comparison, plot_frontier
+from ._debugging import RecomputeMismatchError
+from ._errors import RematError, RematTraceError
+from ._inspecting import Recompute, Report, Residual, print_saved_residuals, report, saved_residuals
+from ._layers import checkpoint_layers, policy_schedule
+from ._measuring import saved_tensor_bytes
+from ._naming import checkpoint_name
+from ._partitioning import RematPolicyWarning
 from ._remat import Rematerialized, RematerializedModule, checkpoint, remat, using_policy, without_remat
-from ._tracing import RematTraceError
 
 __all__ = [
     "remat",

@@ -14,12 +14,10 @@ from typing import Any, Sequence
 
 import torch
 
+from ._errors import RematError
+from ._nodes import DIFFERENTIABLE_KEY
 from ._partitioning import Partition, partition
-from ._tracing import DIFFERENTIABLE_KEY, Captured, vjp_of_graph
-
-
-class RematError(RuntimeError):
-    """remat cannot do what was asked; the message says why and what to do."""
+from ._tracing import Captured, vjp_of_graph
 
 
 def _is_float(value: Any) -> bool:

@@ -9,6 +9,11 @@ import optree
 import torch
 import torch.fx
 
+# What tracing writes in node.meta["custom"], which retraces carry over to new graphs.
+SOURCE_KEY = "remat_source"  # the user's file:line that ran the op
+SCOPE_KEY = "remat_scope"  # index of the nested remat region whose policy governs the op
+DIFFERENTIABLE_KEY = "remat_differentiable"  # whether autograd tracks the value
+
 
 def producer(node: torch.fx.Node) -> torch.fx.Node:
     """The op node behind `node`: its parent for a getitem of a multi-output op."""

@@ -18,14 +18,14 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 
-from ._naming import node_name
-from ._nodes import is_random, is_tuple, is_view, meta_arguments, producer
 from remat.policies import describe_group, op_key, references
 
 from ._costs import flops
 from ._debugging import check_recomputed
+from ._naming import node_name
+from ._nodes import SCOPE_KEY, SOURCE_KEY, is_random, is_tuple, is_view, meta_arguments, producer
 from ._randomness import RNG_KEY, capture_rng_state, replay_random, state_shape
-from ._tracing import SCOPE_KEY, SOURCE_KEY, Scope
+from ._tracing import Scope
 
 Decide = Callable[[torch.fx.Node], bool]
 
@@ -131,7 +131,7 @@ def _read_copies_of(graph: torch.fx.Graph, mutated: Sequence[torch.fx.Node]) -> 
         with graph.inserting_after(anchor):
             copy = graph.call_function(torch.ops.aten.clone.default, (placeholder,))
         copy.meta = dict(placeholder.meta)
-        placeholder.replace_all_uses_with(copy, delete_user_cb=lambda user: user is not copy)
+        placeholder.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
         copies.add(copy)
     return copies
 

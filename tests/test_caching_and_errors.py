@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_close
 from remat import RematTraceError, remat
 from remat import policies as P
+
+from conftest import assert_close
 
 D = torch.float64
 

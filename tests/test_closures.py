@@ -6,9 +6,10 @@ import pytest
 import torch
 from torch.func import grad, vmap
 
-from conftest import assert_close
 from remat import RematTraceError, remat
 from remat import policies as P
+
+from conftest import assert_close
 
 D = torch.float64
 

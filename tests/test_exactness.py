@@ -10,9 +10,10 @@ import torch.nn.functional as F
 from torch.func import functional_call, grad, vmap
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import POLICIES, assert_close
 from remat import RecomputeMismatchError, RematTraceError, remat, saved_residuals, saved_tensor_bytes
 from remat import policies as P
+
+from conftest import POLICIES, assert_close
 
 D = torch.float64
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import assert_close
 from remat import (
     RematPolicyWarning,
     checkpoint_layers,
@@ -25,6 +24,8 @@ from remat import (
     using_policy,
 )
 from remat import policies as P
+
+from conftest import assert_close
 
 D = torch.float64
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.func import grad, hessian, jacrev, jvp, vmap
 
-from conftest import POLICIES, assert_close
 from remat import remat
+
+from conftest import POLICIES, assert_close
 
 D = torch.float64
 pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")

@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import POLICIES
 from remat import policies as P
 from remat import remat, saved_residuals, saved_tensor_bytes
+
+from conftest import POLICIES
 from zoo import ZOO, example
 
 pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")  # the shared name policies name values some functions lack

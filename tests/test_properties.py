@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import POLICIES, assert_close
 from remat import remat
+
+from conftest import POLICIES, assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")  # the shared name policies name values some functions lack
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import optree
 import pytest
 import torch
 from torch.func import functional_call, grad, grad_and_value, hessian, jacfwd, jacrev, jvp, vjp, vmap
 
-from conftest import POLICIES, assert_close
 from remat import remat
+
+from conftest import POLICIES, assert_close
 from zoo import ZOO, example
 
 pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")  # the shared name policies name values some functions lack
