@@ -22,7 +22,17 @@ if TYPE_CHECKING:
     from ._tracing import Captured
 
 _aten = torch.ops.aten
-_BATCH_NORMS_WITH_STATS = (_aten.native_batch_norm.default, _aten._native_batch_norm_legit.default)
+# Batch norms in training mode that update running statistics in place. All take
+# (input, weight, bias, running_mean, running_var, training, momentum, eps) and return the
+# normalized output, the batch mean and the inverse std first; the functional form returns
+# those and the new statistics. (cuDNN's and MIOpen's kernels become the native one, whose
+# results may differ from theirs in the last bits; checked on CPU only.)
+_BATCH_NORMS_WITH_STATS = (
+    _aten.native_batch_norm.default,
+    _aten._native_batch_norm_legit.default,
+    _aten.cudnn_batch_norm.default,
+    _aten.miopen_batch_norm.default,
+)
 # Ops that update running statistics although their schemas do not say so (torch 2.13).
 _UNDECLARED_MUTATIONS = {
     _aten.native_batch_norm.default: (3, 4),
@@ -60,6 +70,14 @@ def functionalize_remaining_mutations(gm: torch.fx.GraphModule, fn_name: str) ->
                 functional = graph.call_function(_aten._native_batch_norm_legit_functional.default, node.args, node.kwargs)
             functional.meta = dict(node.meta)
             for user in list(node.users):
+                if user.target is operator.getitem and user.args[1] > 2 and not user.users:
+                    graph.erase_node(user)  # an unused extra output, e.g. cuDNN's reserve space
+                    continue
+                if user.target is not operator.getitem or user.args[1] > 2:
+                    raise RematTraceError(
+                        f"remat({fn_name}): the output {user.args[1]} of `{node.target}` cannot be traced "
+                        "functionally. Use only the normalized output of batch norm inside remat."
+                    )
                 user.args = (functional, *user.args[1:])
             with graph.inserting_before(output):
                 for k, stat in ((3, node.args[3]), (4, node.args[4])):

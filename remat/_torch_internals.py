@@ -81,15 +81,6 @@ def autocast_state() -> tuple[Any, ...]:
 
 
 @contextlib.contextmanager
-def no_dispatch_modes() -> Iterator[None]:
-    """Run eagerly even if a tracing dispatch mode is active above us (torch 2.13)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
-    with _disable_current_modes():
-        yield
-
-
-@contextlib.contextmanager
 def saved_tensor_hooks_suspended() -> Iterator[None]:
     """Lift the user's saved-tensor hooks while tracing: torch.func refuses to run under them,
     and a trace on fake tensors saves nothing worth hooking (torch 2.13)."""
