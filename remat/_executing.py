@@ -9,6 +9,7 @@ forward-mode AD a region runs its function as it is (see Rematerialized.__call__
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -137,3 +138,14 @@ class RematFunction(torch.autograd.Function):
         for i, g in zip(plan.diff_inputs, input_grads):
             result[i + 1] = g
         return tuple(result)
+
+
+def _cache_forward_signature() -> None:
+    """Function.apply binds its arguments to `forward`'s signature on every call, and
+    computing a signature is most of remat's per-call overhead; a precomputed
+    `__signature__` makes it a lookup (torch 2.13, autograd/function.py apply)."""
+    forward = RematFunction.forward
+    forward.__signature__ = inspect.signature(forward)  # type: ignore[attr-defined]
+
+
+_cache_forward_signature()
