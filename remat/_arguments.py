@@ -107,7 +107,7 @@ def split_call(
     """Flatten (args, kwargs) into tensors and static leaves; collect captured tensors."""
     args = tuple(_Static(a) if (i in static_argnums or i - len(args) in static_argnums) else a for i, a in enumerate(args))
     kwargs = {k: _Static(v) if k in static_argnames else v for k, v in kwargs.items()}
-    paths, leaves, spec = optree.tree_flatten_with_path((args, kwargs))
+    paths, leaves, spec = optree.tree_flatten_with_path((args, kwargs))  # type: ignore[var-annotated,arg-type]
     tensors: list[torch.Tensor] = []
     tensor_paths: list[str] = []
     positions: list[int] = []

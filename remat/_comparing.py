@@ -35,17 +35,19 @@ def _requiring_grad(args: tuple[Any, ...]) -> tuple[Any, ...]:
             return x.detach().requires_grad_()
         return x
 
-    return optree.tree_map(track, args)
+    return optree.tree_map(track, args)  # type: ignore[arg-type,return-value]
 
 
 def _step(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    outputs = [x for x in optree.tree_leaves(f(*args, **kwargs)) if isinstance(x, torch.Tensor) and x.requires_grad]
+    results: Any = f(*args, **kwargs)
+    outputs = [x for x in optree.tree_leaves(results) if isinstance(x, torch.Tensor) and x.requires_grad]
     if outputs:
         torch.autograd.backward([o.float().sum() for o in outputs])
 
 
 def _device(args: tuple[Any, ...]) -> torch.device:
-    return next((x.device for x in optree.tree_leaves(args) if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    leaves: list[Any] = optree.tree_leaves(args)  # type: ignore[arg-type]
+    return next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
 def _measure(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int) -> tuple[float, int | None]:

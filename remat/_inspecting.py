@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 import optree
 import torch
@@ -112,7 +112,7 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(x) for x in column) for column in zip(header, *rows)]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in [header, *rows]]
 
@@ -190,7 +190,7 @@ def report(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     shows a table of every kept tensor, what backward recomputes and its FLOPs, and
     totals per region and overall.
     """
-    leaves, spec = optree.tree_flatten(args)
+    leaves, spec = optree.tree_flatten(args)  # type: ignore[var-annotated,arg-type]
     moving = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
 
     def g(*values: torch.Tensor) -> Any:

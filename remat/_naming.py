@@ -29,7 +29,7 @@ def checkpoint_name(x: T, name: str) -> T:
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"checkpoint_name: name must be a non-empty string, got {name!r}")
-    for leaf in optree.tree_leaves(x):
+    for leaf in optree.tree_leaves(x):  # type: ignore[var-annotated,arg-type]
         if isinstance(leaf, torch.Tensor):
             annotate(tracing_node(leaf), NAME_KEY, name)
     return x

@@ -37,7 +37,7 @@ def is_random(node: torch.fx.Node) -> bool:
     if "dropout_p" in names:
         index = names.index("dropout_p")
         p = node.kwargs.get("dropout_p", node.args[index] if index < len(node.args) else 0.0)
-        return p != 0.0
+        return bool(p != 0.0)
     return True
 
 
@@ -57,6 +57,6 @@ def _to_meta(value: Any) -> Any:
 def meta_arguments(node: torch.fx.Node) -> tuple[Any, dict[str, Any]]:
     """The node's args and kwargs with every input replaced by a data-free meta tensor."""
     is_node = lambda x: isinstance(x, torch.fx.Node)  # noqa: E731
-    args = optree.tree_map(_to_meta, node.args, is_leaf=is_node, none_is_leaf=True)
-    kwargs = optree.tree_map(_to_meta, node.kwargs, is_leaf=is_node, none_is_leaf=True)
+    args: Any = optree.tree_map(_to_meta, node.args, is_leaf=is_node, none_is_leaf=True)  # type: ignore[arg-type]
+    kwargs: Any = optree.tree_map(_to_meta, node.kwargs, is_leaf=is_node, none_is_leaf=True)  # type: ignore[arg-type]
     return args, kwargs

@@ -10,6 +10,7 @@ generator state its forward run captured, so recompute draws the same numbers.
 
 from __future__ import annotations
 
+import functools
 import operator
 import warnings
 from dataclasses import dataclass, replace
@@ -131,7 +132,7 @@ def _read_copies_of(graph: torch.fx.Graph, mutated: Sequence[torch.fx.Node]) -> 
         with graph.inserting_after(anchor):
             copy = graph.call_function(torch.ops.aten.clone.default, (placeholder,))
         copy.meta = dict(placeholder.meta)
-        placeholder.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
+        placeholder.replace_all_uses_with(copy, delete_user_cb=functools.partial(operator.is_not, copy))
         copies.add(copy)
     return copies
 
@@ -300,7 +301,8 @@ def _replay(
     """`node` again, drawing from the state its forward run captured."""
     args = torch.fx.map_arg(node.args, env.__getitem__)
     kwargs = torch.fx.map_arg(node.kwargs, env.__getitem__)
-    new = graph.call_function(replay_random, (state, _device_of(node), node.target, *args), dict(kwargs))
+    target: Any = node.target
+    new = graph.call_function(replay_random, (state, _device_of(node), target, *args), dict(kwargs))
     new.meta = dict(node.meta)
     return new
 

@@ -246,6 +246,9 @@ class RematerializedModule(torch.nn.Module):
     and submodules under the same names, so `functional_call`, `state_dict`, optimizers
     and `.to()` see the original; calling it runs the module through remat."""
 
+    wrapped_module: torch.nn.Module
+    rematerialized: Rematerialized
+
     def __init__(self, module: torch.nn.Module, rematerialized: Rematerialized) -> None:
         super().__init__()
         for table in ("_parameters", "_buffers", "_modules"):

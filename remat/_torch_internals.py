@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import torch
 
 
-def clear_transforms() -> contextlib.AbstractContextManager[None]:
+def clear_transforms() -> contextlib.AbstractContextManager[Any]:
     """Hide active torch.func transforms, so tracing sees plain tensors (torch 2.13)."""
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
 
