@@ -17,7 +17,7 @@ from ._executing import Plan, RematFunction
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
 from ._torch_internals import forward_ad_active
-from ._tracing import capture, differentiate, inside_trace, nested_region
+from ._tracing import capture, differentiate, graph_output_values, inside_trace, nested_region
 
 
 def _normalise_argnums(static_argnums: int | Iterable[int]) -> frozenset[int]:
@@ -174,7 +174,7 @@ class Rematerialized:
         diff_inputs = [i for i, needs in enumerate(captured.input_needs_grad) if needs]
         if not diff_inputs:
             return None
-        out_values = [n.meta["val"] for n in next(n for n in captured.graph.graph.nodes if n.op == "output").args[0]]
+        out_values = graph_output_values(captured.graph)
         float_outputs = [
             j for j, v in enumerate(out_values[: captured.n_outputs]) if v.is_floating_point() or v.is_complex()
         ]

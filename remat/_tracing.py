@@ -352,7 +352,7 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
     """
     g1 = captured.graph
     n_inputs = len(captured.input_values)
-    out_values = _output_values(g1)
+    out_values = graph_output_values(g1)
 
     def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
         primals, tangents = flat[:n_inputs], flat[n_inputs:]
@@ -393,7 +393,8 @@ class _MarkDifferentiable(torch.fx.Interpreter):
         return out
 
 
-def _output_values(gm: torch.fx.GraphModule) -> list[Any]:
+def graph_output_values(gm: torch.fx.GraphModule) -> list[Any]:
+    """The example values (fake tensors) of a traced graph's outputs."""
     output = next(n for n in gm.graph.nodes if n.op == "output")
     return [arg.meta["val"] for arg in output.args[0]]
 

@@ -16,6 +16,7 @@ from remat import policies as P
 from conftest import POLICIES, assert_close
 
 D = torch.float64
+pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")  # shared name policies, unnamed functions
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
