@@ -206,7 +206,14 @@ def partition(
         n for n in graph.nodes
         if n in recompute and n.op == "call_function" and n.target is not operator.getitem and is_random(n)
     ]
-    keep_forward = _ancestors(list(outs) + residual_list, set(placeholders))
+    # A random op runs in forward even when nothing reads its result: plain eager code
+    # draws its numbers too, and the global random stream must end where it would.
+    unread_random = [
+        n for n in graph.nodes
+        if n.op == "call_function" and n.target is not operator.getitem and is_random(n)
+        and n not in forward_nodes and n not in backward_nodes
+    ]
+    keep_forward = _ancestors(list(outs) + residual_list + unread_random, set(placeholders))
     out_positions = {node: i for i, node in reversed(list(enumerate(outs))) if isinstance(node, torch.fx.Node)}
     checked = [  # an output is not returned twice (that would make autograd drop its gradient)
         n for n in graph.nodes

@@ -402,3 +402,12 @@ def test_debug_mode_gives_the_same_gradients(policy_name: str) -> None:
     f = remat(_inner, policy=POLICIES[policy_name], debug=True)
     assert_close(torch.autograd.grad(f(x, w).sum(), [x, w]), torch.autograd.grad(_inner(x, w).sum(), [x, w]))
     assert_close(grad(lambda w: f(x, w).sum())(w), grad(lambda w: _inner(x, w).sum())(w))
+
+
+def test_an_unread_random_op_still_advances_the_random_stream() -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        torch.randn_like(x)  # drawn, never read: eager code still consumes the stream
+        return torch.sin(x @ w)
+
+    x, w = _leaf(5, 4), _leaf(4, 4)
+    assert_close(_run_seeded(remat(fn), x, w), _run_seeded(fn, x, w))
