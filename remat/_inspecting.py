@@ -28,18 +28,6 @@ class Residual:
     source: str | None  # argument path for inputs, the user's file:line for intermediates
     region: str  # qualified name of the remat'd function
 
-    def describe(self) -> str:
-        what = {
-            "input": f"from the argument {self.source}",
-            "rng": f"generator state to replay {self.op}",
-            "debug": f"debug copy of {self.op}",
-        }.get(self.kind, f"output of {self.op}")
-        if self.kind != "input" and self.source:
-            what += f" from {self.source}"
-        if self.name:
-            what += f" named {self.name!r}"
-        return f"{_dtype(self.dtype)}{list(self.shape)} {human_bytes(self.nbytes)} {what} [{self.region}]"
-
 
 @dataclass(frozen=True)
 class Recompute:
