@@ -376,10 +376,44 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
             examples[i].requires_grad_(True)
         # tangents are traced contiguous; Plan.cotangent makes the real ones so
         examples += [_fake_contiguous(mode, out_values[i]) for i in float_outputs]
-        return make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+        traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+        return functionalized(traced)
 
 
-class _MarkDifferentiable(torch.fx.Interpreter):
+def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """`gm` retraced with every in-place op replaced by its out-of-place form.
+
+    Autograd's backward formulas write in place (`diagonal(g).mul_(0.5)` in qr's); a graph
+    with in-place ops is wrong once its dead-looking writes are pruned, and not vmap-safe.
+    """
+    def run(*flat: torch.Tensor) -> Any:
+        with preserve_node_meta():
+            return _CarryMeta(gm).run(*flat)
+
+    with tracing_isolated():
+        mode = new_fake_mode()
+        examples = [_fake_like(mode, n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
+        return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+
+
+class _CarryMeta(torch.fx.Interpreter):
+    """Runs a graph while it is retraced, giving each new node the facts (source line,
+    scope, name, random index...) written on the node it comes from; an output of a
+    multi-output op gets its own item's facts."""
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        custom = n.meta.get("custom")
+        if custom:
+            for leaf in optree.tree_leaves(out):  # type: ignore[arg-type]
+                if isinstance(leaf, torch.Tensor):
+                    node = tracing_node(leaf)
+                    if node is not None:
+                        node.meta["custom"] = {**node.meta.get("custom", {}), **custom}
+        return out
+
+
+class _MarkDifferentiable(_CarryMeta):
     """Runs a graph under autograd and notes which values it tracks.
 
     Some op outputs are not differentiable (layer_norm's mean and rstd, max's indices,
