@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 
-class RematTraceError(RuntimeError):
-    """remat could not turn the function into a graph; the message says where and what to do."""
-
-
 class RematError(RuntimeError):
     """remat cannot do what was asked; the message says why and what to do."""
+
+
+class RematTraceError(RematError):
+    """remat could not turn the function into a graph; the message says where and what to do."""

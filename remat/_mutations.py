@@ -10,6 +10,7 @@ their out-of-place twins. Anything else that writes in place is refused.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +18,7 @@ import torch.fx
 
 from ._errors import RematTraceError
 from ._nodes import SOURCE_KEY
+from ._passes import argument
 
 if TYPE_CHECKING:
     from ._tracing import Captured
@@ -56,9 +58,13 @@ def _mutated_arguments(node: torch.fx.Node) -> list[Any]:
 
 
 def functionalize_remaining_mutations(gm: torch.fx.GraphModule, fn_name: str) -> None:
-    """Functionalization leaves a few ops that update their inputs (batch norm's running
-    statistics); recompute would update them again. Batch norm becomes its functional
-    form plus a trailing copy_ (which turns into an output); any other is refused."""
+    """Functionalization leaves a few ops that write their arguments in place: batch
+    norm's running statistics (undeclared), ops without a registered functional variant
+    (`bernoulli_.float`, which SDPA's dropout uses on CPU; `rrelu_with_noise`'s noise) and
+    in-place metadata ops (`transpose_`). Each becomes its out-of-place twin, later readers
+    read the new value, and a write to a graph input becomes a trailing `copy_` (an extra
+    output, applied once per call). Any other in-place write is refused: recompute would
+    write again."""
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
     for node in list(graph.nodes):
@@ -66,37 +72,11 @@ def functionalize_remaining_mutations(gm: torch.fx.GraphModule, fn_name: str) ->
         if not mutated or node.target is _aten.copy_.default:
             continue
         if node.target in _BATCH_NORMS_WITH_STATS and node.args[3] is not None:
-            with graph.inserting_before(node):
-                functional = graph.call_function(_aten._native_batch_norm_legit_functional.default, node.args, node.kwargs)
-            functional.meta = dict(node.meta)
-            for user in list(node.users):
-                if user.target is operator.getitem and user.args[1] > 2 and not user.users:
-                    graph.erase_node(user)  # an unused extra output, e.g. cuDNN's reserve space
-                    continue
-                if user.target is not operator.getitem or user.args[1] > 2:
-                    raise RematTraceError(
-                        f"remat({fn_name}): the output {user.args[1]} of `{node.target}` cannot be traced "
-                        "functionally. Use only the normalized output of batch norm inside remat."
-                    )
-                user.args = (functional, *user.args[1:])
-            with graph.inserting_before(output):
-                for k, stat in ((3, node.args[3]), (4, node.args[4])):
-                    with graph.inserting_after(functional):
-                        new_stat = graph.call_function(operator.getitem, (functional, k))
-                    new_stat.meta = {"val": stat.meta["val"]}  # type: ignore[union-attr]
-                    later = [u for u in stat.users if u is not functional and u is not node]  # type: ignore[union-attr]
-                    for user in later:
-                        if _comes_after(graph, user, node):
-                            user.replace_input_with(stat, new_stat)  # type: ignore[arg-type]
-                    graph.call_function(_aten.copy_.default, (stat, new_stat))
-            graph.erase_node(node)
+            _functional_batch_norm(graph, node, output, fn_name)
             continue
-        twin = _out_of_place_twin(node.target)
+        twin = _functional_twin(node.target)  # type: ignore[arg-type]
         if twin is not None and all(m.op != "placeholder" for m in mutated):
-            # an in-place metadata op (squeeze_, t_, ...) on an intermediate: make it a new value
-            node.target = twin
-            for later in [u for u in mutated[0].users if u is not node and _comes_after(graph, u, node)]:
-                later.replace_input_with(mutated[0], node)
+            _rewrite_to_twin(graph, node, twin)
             continue
         where = node.meta.get("custom", {}).get(SOURCE_KEY, "an unknown line")
         raise RematTraceError(
@@ -107,14 +87,102 @@ def functionalize_remaining_mutations(gm: torch.fx.GraphModule, fn_name: str) ->
     graph.lint()
 
 
-def _out_of_place_twin(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
-    """`aten.squeeze.dim` for `aten.squeeze_.dim`, when it exists."""
-    packet = op.overloadpacket
-    name = packet._qualified_op_name.split("::")[-1]
+def _functional_batch_norm(graph: torch.fx.Graph, node: torch.fx.Node, output: torch.fx.Node, fn_name: str) -> None:
+    """Batch norm in training becomes its functional form, which also returns the new
+    running statistics; they replace the old ones for later readers, and a statistic that
+    is a graph input gets a trailing copy_."""
+    with graph.inserting_before(node):
+        functional = graph.call_function(_aten._native_batch_norm_legit_functional.default, node.args, node.kwargs)
+    functional.meta = dict(node.meta)
+    for user in list(node.users):
+        if user.target is operator.getitem and user.args[1] > 2 and not user.users:
+            graph.erase_node(user)  # an unused extra output, e.g. cuDNN's reserve space
+            continue
+        if user.target is not operator.getitem or user.args[1] > 2:
+            raise RematTraceError(
+                f"remat({fn_name}): the output {user.args[1]} of `{node.target}` cannot be traced "
+                "functionally. Use only the normalized output of batch norm inside remat."
+            )
+        user.args = (functional, *user.args[1:])
+    for k, stat in ((3, node.args[3]), (4, node.args[4])):
+        with graph.inserting_after(functional):
+            new_stat = graph.call_function(operator.getitem, (functional, k))
+        new_stat.meta = {"val": stat.meta["val"]}  # type: ignore[union-attr]
+        _read_new_value(graph, stat, new_stat, node)  # type: ignore[arg-type]
+        if stat.op == "placeholder":  # type: ignore[union-attr]
+            with graph.inserting_before(output):
+                graph.call_function(_aten.copy_.default, (stat, new_stat))
+    graph.erase_node(node)
+
+
+def _read_new_value(graph: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, writer: torch.fx.Node) -> None:
+    """Readers of `old` that come after `writer` read `new` instead."""
+    for user in [u for u in old.users if u is not writer and u is not new and _comes_after(graph, u, writer)]:
+        user.replace_input_with(old, new)
+
+
+@dataclass(frozen=True)
+class _Twin:
+    """The out-of-place form of an in-place op: `result` is the output index of the op's
+    own result (None: the whole output), `written` maps each written argument's position
+    to the output index holding its new value (None: the whole output)."""
+
+    op: torch._ops.OpOverload
+    result: int | None
+    written: dict[int, int | None]
+
+
+# In-place ops that functionalization leaves alone, with their functional forms (torch 2.13).
+_TWINS = {
+    _aten.bernoulli_.float: _Twin(_aten.bernoulli.p, None, {0: None}),
+    _aten.rrelu_with_noise.default: _Twin(_aten.rrelu_with_noise_functional.default, 0, {1: 1}),
+}
+
+
+def _functional_twin(op: torch._ops.OpOverload) -> _Twin | None:
+    """`aten.transpose.int` for `aten.transpose_.default`: the out-of-place op of the same
+    name without the trailing underscore whose arguments match."""
+    if op in _TWINS:
+        return _TWINS[op]
+    name = op.overloadpacket._qualified_op_name.split("::")[-1]
     if not name.endswith("_") or name.startswith("_"):
         return None
-    twin_packet = getattr(torch.ops.aten, name[:-1], None)
-    return getattr(twin_packet, op._overloadname, None) if twin_packet is not None else None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    if packet is None:
+        return None
+    wanted = [(a.name, str(a.type)) for a in op._schema.arguments]
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        if [(a.name, str(a.type)) for a in candidate._schema.arguments] == wanted:
+            return _Twin(candidate, None, {0: None})
+    return None
+
+
+def _rewrite_to_twin(graph: torch.fx.Graph, node: torch.fx.Node, twin: _Twin) -> None:
+    """Replace in-place `node` by `twin`; later readers of what it wrote read the new values."""
+    written = {i: argument(node, i, None) for i in twin.written}
+    with graph.inserting_before(node):
+        new = graph.call_function(twin.op, node.args, node.kwargs)
+    new.meta = dict(node.meta)
+    new.meta["val"] = twin.op(*_fake_args(node.args), **_fake_args(node.kwargs)) if twin.result is not None else node.meta["val"]
+    result = new
+    if twin.result is not None:
+        with graph.inserting_after(new):
+            result = graph.call_function(operator.getitem, (new, twin.result))
+        result.meta = {**node.meta, "val": new.meta["val"][twin.result]}
+    node.replace_all_uses_with(result)
+    for position, index in twin.written.items():
+        value = new
+        if index is not None:
+            with graph.inserting_after(result):
+                value = graph.call_function(operator.getitem, (new, index))
+            value.meta = {**node.meta, "val": new.meta["val"][index]}
+        _read_new_value(graph, written[position], value, node)  # type: ignore[arg-type]
+    graph.erase_node(node)
+
+
+def _fake_args(args: Any) -> Any:
+    return torch.fx.map_arg(args, lambda n: n.meta["val"])
 
 
 def _comes_after(graph: torch.fx.Graph, a: torch.fx.Node, b: torch.fx.Node) -> bool:
@@ -126,6 +194,14 @@ def _comes_after(graph: torch.fx.Graph, a: torch.fx.Node, b: torch.fx.Node) -> b
     return False
 
 
+def _through_aliases(node: Any) -> Any:
+    """The node itself, or the input behind a chain of `alias` ops (instance norm writes its
+    running statistics through `alias(running_mean).copy_(...)`)."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is _aten.alias.default:
+        node = node.args[0]
+    return node
+
+
 def outputs_for_mutations(captured: Captured, fn_name: str) -> None:
     """Replace functionalization's trailing `copy_(input, new)` by extra outputs."""
     gm = captured.graph
@@ -133,18 +209,23 @@ def outputs_for_mutations(captured: Captured, fn_name: str) -> None:
     output = next(n for n in gm.graph.nodes if n.op == "output")
     extra: list[torch.fx.Node] = []
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default and node.args[0] in placeholders:
-            index = placeholders.index(node.args[0])
-            example = node.args[0].meta["val"]
+        target = _through_aliases(node.args[0]) if node.op == "call_function" else None
+        if node.target is torch.ops.aten.copy_.default and target in placeholders:
+            index = placeholders.index(target)
+            example = target.meta["val"]
             if (example.is_floating_point() or example.is_complex()) and captured.input_needs_grad[index]:
                 raise RematTraceError(
                     f"remat({fn_name}) mutates its input `{captured.input_paths[index]}` in place, and "
                     "that input requires grad. Return the new value instead of mutating the input."
                 )
             captured.mutated.append(index)
-            extra.append(node.args[1])
-            node.replace_all_uses_with(node.args[0])
+            written, value = node.args
+            extra.append(value)
+            node.replace_all_uses_with(written)
             gm.graph.erase_node(node)
+            while written is not target and not written.users:  # aliases only the write read
+                alias, written = written, written.args[0]
+                gm.graph.erase_node(alias)
     if extra:
         outs = list(output.args[0])
         output.args = (outs + extra,)

@@ -48,3 +48,17 @@ def state_shape(device: torch.device) -> tuple[int, ...]:
     if device.type == "cuda" and not torch.cuda.is_available():
         return (16,)
     return tuple(_generator(device, None).get_state().shape)
+
+
+def global_generator_states() -> list[torch.Tensor]:
+    """The states of the default generators (CPU, and CUDA devices once initialised)."""
+    states = [torch.default_generator.get_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += [g.get_state() for g in torch.cuda.default_generators]
+    return states
+
+
+def restore_global_generator_states(states: list[torch.Tensor]) -> None:
+    torch.default_generator.set_state(states[0])
+    for generator, state in zip(torch.cuda.default_generators if len(states) > 1 else (), states[1:]):
+        generator.set_state(state)

@@ -16,7 +16,7 @@ from ._arguments import Call, positional_names, split_call
 from ._executing import Plan, RematFunction
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
-from ._torch_internals import forward_ad_active
+from ._torch_internals import copy_into, forward_ad_active
 from ._tracing import capture, differentiate, graph_output_values, inside_trace, nested_region
 
 
@@ -193,7 +193,7 @@ class Rematerialized:
         first = plan.captured.n_outputs
         with torch.no_grad():
             for k, index in enumerate(plan.captured.mutated):
-                inputs[index].copy_(results[first + k])
+                copy_into(inputs[index], results[first + k])
 
     @staticmethod
     def _rebuild_outputs(plan: Plan, results: tuple[torch.Tensor, ...]) -> Any:

@@ -28,6 +28,13 @@ def forward_ad_active() -> bool:
     return torch.autograd.forward_ad._current_level >= 0
 
 
+def is_custom_op_autograd(function: type) -> bool:
+    """Whether an autograd.Function is the one torch.library.custom_op generates for an op
+    with register_autograd: its forward is the op itself, which traces as one node whose
+    derivative torch knows (torch 2.13, torch/_library/autograd.py)."""
+    return function.__module__ == "torch._library.autograd" and function.__name__.startswith("GeneratedBackwardFor_")
+
+
 def transform_levels(t: torch.Tensor) -> list[torch.Tensor]:
     """`t`, then each tensor under its torch.func wrappers, down to the plain tensor (torch 2.13)."""
     levels = [t]
@@ -54,6 +61,23 @@ def tracing_node(t: torch.Tensor) -> torch.fx.Node | None:
     if slot is None:
         return None
     return slot.proxy.node
+
+
+def copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
+    """`target.copy_(value)` for a tensor that lives below the active torch.func transforms
+    (batch norm's running statistics, captured by a function under `grad`): the value is
+    taken off the grad levels above the target's and written with those transforms hidden,
+    as batch norm's own kernel does. A value batched by vmap is written as is, so vmap
+    refuses it as it refuses plain code (torch 2.13)."""
+    functorch = torch._C._functorch
+    target_level = functorch.maybe_get_level(target)
+    while functorch.is_functorch_wrapped_tensor(value) and functorch.maybe_get_level(value) > target_level:
+        if functorch.is_batchedtensor(value):
+            target.copy_(value)
+            return
+        value = functorch.get_unwrapped(value)
+    with clear_transforms():
+        target.copy_(value)
 
 
 def preserve_node_meta() -> contextlib.AbstractContextManager[None]:

@@ -26,10 +26,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._arguments import Call, needs_grad
 from ._errors import RematTraceError
+from ._failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_frame
 from ._mutations import functionalize_remaining_mutations, outputs_for_mutations
+from ._passes import random_fills_from_shapes, rrelu_as_product
 from ._naming import annotate
-from ._nodes import DIFFERENTIABLE_KEY, SCOPE_KEY, SOURCE_KEY, is_random
-from ._randomness import RNG_KEY
+from ._nodes import DIFFERENTIABLE_KEY, SCOPE_KEY, SOURCE_KEY, is_random, producer
+from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
 from ._torch_internals import (
     new_fake_mode,
     preserve_node_meta,
@@ -38,27 +40,6 @@ from ._torch_internals import (
     transforms_active,
     unwrap_transforms,
 )
-
-_LIBRARY_DIRS = (
-    os.path.dirname(torch.__file__),
-    os.path.dirname(os.path.abspath(__file__)),
-    os.path.dirname(optree.__file__),
-)
-
-
-def user_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
-    """The innermost frame outside torch, optree and remat: the user's line."""
-    for frame in reversed(frames):
-        if not frame.filename.startswith(_LIBRARY_DIRS) and "<frozen" not in frame.filename:
-            return frame
-    return None
-
-
-def describe_frame(frame: traceback.FrameSummary | None) -> str:
-    if frame is None:
-        return "an unknown line"
-    return f"{os.path.basename(frame.filename)}:{frame.lineno} (`{(frame.line or '').strip()}`)"
-
 
 @dataclass(frozen=True)
 class Scope:
@@ -102,9 +83,10 @@ def _tracing_region(scope: Scope) -> Iterator[list[Scope]]:
         _TRACING.reset(token)
 
 
-class _RefuseDataAccess(TorchFunctionMode):
-    """Tracing tensors have no data: reading it (`.numpy()`, `.tolist()`) must fail loudly,
-    not hand back garbage that the graph would freeze."""
+class _GuardTracing(TorchFunctionMode):
+    """Refuses, while tracing, what would make a silently wrong graph: reading data that
+    fake tensors do not have (`.numpy()`, `.tolist()`), and values made by a custom
+    torch.autograd.Function, whose forward traces but whose hand-written backward does not."""
 
     _REFUSED = {torch.Tensor.numpy: ".numpy()", torch.Tensor.tolist: ".tolist()", torch.Tensor.__array__: "numpy conversion"}
 
@@ -112,7 +94,15 @@ class _RefuseDataAccess(TorchFunctionMode):
         what = self._REFUSED.get(func)
         if what is not None:
             raise RematTraceError(f"{what} reads a tensor's data, which tracing does not have")
+        for arg in args:
+            refuse_custom_function(arg)
         return func(*args, **(kwargs or {}))
+
+
+def refuse_custom_function(value: Any) -> None:
+    function = custom_function_behind(value)
+    if function is not None:
+        raise CustomFunctionUsed(function)
 
 
 class _Recorder(TorchDispatchMode):
@@ -165,37 +155,6 @@ def _fake_contiguous(mode: Any, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
 
 
-def _custom_function_in(error: BaseException) -> str | None:
-    """The name of a custom torch.autograd.Function whose apply raised `error`, if any."""
-    tb = error.__traceback__
-    while tb is not None:
-        cls = tb.tb_frame.f_locals.get("cls")
-        if isinstance(cls, type) and issubclass(cls, torch.autograd.Function) and tb.tb_frame.f_code.co_name == "apply":
-            return cls.__qualname__
-        tb = tb.tb_next
-    return None
-
-
-def _trace_failure(fn_name: str, error: BaseException) -> RematTraceError:
-    where = describe_frame(user_frame(traceback.extract_tb(error.__traceback__)))
-    custom = _custom_function_in(error)
-    if custom is not None:
-        return RematTraceError(
-            f"remat could not trace `{fn_name}`: it calls the custom torch.autograd.Function `{custom}` "
-            f"at {where}, whose hand-written backward remat cannot trace. Register the operation "
-            "with torch.library.custom_op and register_autograd (remat traces those, and policies "
-            "can name them with save_ops), or apply remat to the code inside the Function instead."
-        )
-    return RematTraceError(
-        f"remat could not trace `{fn_name}` at {where}: {str(error).splitlines()[0]}\n"
-        "remat traces the function once on tensors without data, so Python control flow on "
-        "tensor values (`if x.sum() > 0`), `.item()`, `.tolist()` and `.numpy()` cannot run "
-        "inside it. Make such values static with `remat(fn, static_argnums=...)` / "
-        "`static_argnames=...` (pass them as Python numbers), use tensor ops such as "
-        "`torch.where` instead of `if`, or move that code outside the remat'd function."
-    )
-
-
 def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[..., bool] | None) -> Captured:
     """Stage 1: trace `fn` on fake versions of the call's tensors and captured tensors."""
     out_info: dict[str, Any] = {}
@@ -207,9 +166,11 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         replacements = list(call.captured)
         for i, t in zip(slotted, tensors[n_explicit:]):
             replacements[i] = t
-        with call.substituted(replacements), _Recorder(), _RefuseDataAccess():
+        with call.substituted(replacements), _Recorder(), _GuardTracing():
             out = fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten(out)
+        for leaf in leaves:
+            refuse_custom_function(leaf)
         out_info["spec"] = spec
         out_info["static"] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         return [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -217,15 +178,16 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     under_transform = transforms_active()
     with tracing_isolated(), _tracing_region(Scope(policy, fn_name)) as scopes:
         mode = new_fake_mode()
-        fakes = [_fake_like(mode, t) for t in call.tensors] + [_fake_like(mode, call.captured[i]) for i in slotted]
+        originals = list(call.tensors) + [call.captured[i] for i in slotted]
+        # Fakes need grad where the real tensors do: composite ops choose their lowering by
+        # it (embedding_bag's forward-only kernel has no derivative).
+        fakes = [_fake_like(mode, t).requires_grad_(needs_grad(t)) for t in originals]
+        generators = global_generator_states()
         try:
-            gm = make_fx(
-                torch.func.functionalize(flat_fn, remove="mutations"),
-                tracing_mode="fake",
-                _allow_non_fake_inputs=True,
-            )(*fakes)
+            gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
         except Exception as error:  # torch raises many types here; all mean "cannot trace"
-            raise _trace_failure(fn_name, error) from error
+            raise trace_failure(fn_name, error) from error
+        _refuse_reseeding(fn_name, generators)
     _reject_data_dependent_ops(gm, fn_name)
     _number_random_ops(gm)
     captured = Captured(
@@ -243,11 +205,30 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     )
     _keep_used_captured(captured, call, slotted)
     _lift_constants(captured, call, fn_name, under_transform)
+    gm = captured.graph = functionalized(gm)
     functionalize_remaining_mutations(gm, fn_name)
+    rrelu_as_product(gm)
+    random_fills_from_shapes(gm)
     outputs_for_mutations(captured, fn_name)
     captured.input_values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     gm.recompile()
     return captured
+
+
+def _refuse_reseeding(fn_name: str, before: list[torch.Tensor]) -> None:
+    """Random ops on fake tensors draw nothing; if the generators moved while tracing, the
+    function seeds or sets them in Python (`torch.manual_seed`), which a graph cannot
+    repeat: every later call would draw from wherever the stream happens to be."""
+    after = global_generator_states()
+    if len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before)):
+        return
+    restore_global_generator_states(before)
+    raise RematTraceError(
+        f"remat could not trace `{fn_name}`: it changes the global random generator's state "
+        "(torch.manual_seed, set_rng_state, or a draw on a real tensor) while it runs. A traced "
+        "graph cannot repeat that. Seed before calling the remat'd function, or pass a "
+        "torch.Generator to the random ops."
+    )
 
 
 def _keep_used_captured(captured: Captured, call: Call, slotted: list[int]) -> None:
@@ -354,10 +335,12 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
     n_inputs = len(captured.input_values)
     out_values = graph_output_values(g1)
 
+    blame: list[torch.fx.Node] = []  # the forward node whose derivative runs now
+
     def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
         primals, tangents = flat[:n_inputs], flat[n_inputs:]
         with torch.enable_grad(), preserve_node_meta():
-            outs = _MarkDifferentiable(g1).run(*primals)
+            outs = _MarkDifferentiable(g1, blame).run(*primals)
             pairs = [(outs[i], t) for i, t in zip(float_outputs, tangents) if outs[i].requires_grad]
             grads = torch.autograd.grad(
                 [o for o, _ in pairs],
@@ -376,7 +359,12 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
             examples[i].requires_grad_(True)
         # tangents are traced contiguous; Plan.cotangent makes the real ones so
         examples += [_fake_contiguous(mode, out_values[i]) for i in float_outputs]
-        traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+        try:
+            traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+        except Exception as error:  # a derivative that cannot run without data
+            node = blame[-1] if blame else None
+            source = node.meta.get("custom", {}).get(SOURCE_KEY) if node is not None else None
+            raise backward_failure(captured.scopes[0].region if captured.scopes else "the region", error, node.target if node is not None else None, source) from error
         return functionalized(traced)
 
 
@@ -393,7 +381,20 @@ def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     with tracing_isolated():
         mode = new_fake_mode()
         examples = [_fake_like(mode, n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
-        return make_fx(torch.func.functionalize(run, remove="mutations"), tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+        return make_fx(
+            torch.func.functionalize(run, remove="mutations"),
+            decomposition_table={torch.ops.aten.copy.default: _differentiable_copy},
+            tracing_mode="fake",
+            _allow_non_fake_inputs=True,
+        )(*examples)
+
+
+def _differentiable_copy(target: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """`aten.copy` (what functionalization makes of `copy_`, as in `out[:, 0] = x`) has no
+    derivative: the same values as a differentiable expression of `source`."""
+    value = torch.ops.aten._to_copy.default(source, dtype=target.dtype, device=target.device).expand(target.shape)
+    layout = torch.channels_last if target.dim() == 4 and target.is_contiguous(memory_format=torch.channels_last) and not target.is_contiguous() else torch.contiguous_format
+    return torch.ops.aten.clone.default(value, memory_format=layout)
 
 
 class _CarryMeta(torch.fx.Interpreter):
@@ -417,13 +418,21 @@ class _MarkDifferentiable(_CarryMeta):
     """Runs a graph under autograd and notes which values it tracks.
 
     Some op outputs are not differentiable (layer_norm's mean and rstd, max's indices,
-    dropout's mask); when kept, they must be kept as non-differentiable values.
+    dropout's mask); when kept, they must be kept as non-differentiable values. Each op's
+    autograd node appends the op's graph node to `blame` when its derivative starts, so a
+    derivative that fails can be traced back to the op and the user's line.
     """
+
+    def __init__(self, gm: torch.fx.GraphModule, blame: list[torch.fx.Node]) -> None:
+        super().__init__(gm)
+        self.blame = blame
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if isinstance(out, torch.Tensor):
             annotate(tracing_node(out), DIFFERENTIABLE_KEY, bool(out.requires_grad), producer_too=False)
+            if out.grad_fn is not None and n.op == "call_function":
+                out.grad_fn.register_prehook(lambda grads, node=producer(n): self.blame.append(node))
         return out
 
 

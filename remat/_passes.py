@@ -1,0 +1,115 @@
+"""Named rewrites of traced graphs, each keeping the graph's meaning and the invariants
+that every graph remat runs must have:
+
+- functional: no op writes in place (no aliasing write), except the trailing `copy_`
+  of a mutated input that stage 1 turns into an output;
+- vmap-safe: no op whose result would be batched differently under vmap than the same
+  code without remat (in place writes, random fills of batched tensors);
+- layouts as traced: every node's example value carries the strides its op produces.
+
+`check_invariants` checks the first two on any graph; the tests run it on every graph the
+suite builds.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx
+
+_aten = torch.ops.aten
+
+# Random ops that fill a tensor shaped like `self` without reading its values: the
+# functional forms of `x.uniform_()`, `x.bernoulli_(p)`, ... (torch 2.13).
+_RANDOM_FILLS = {
+    _aten.normal_functional.default,
+    _aten.uniform.default,
+    _aten.exponential.default,
+    _aten.cauchy.default,
+    _aten.log_normal.default,
+    _aten.geometric.default,
+    _aten.bernoulli.p,
+    _aten.bernoulli.Tensor,
+    *(getattr(_aten.random, name) for name in _aten.random.overloads()),
+}
+
+
+def random_fills_from_shapes(gm: torch.fx.GraphModule) -> None:
+    """A random fill (`empty_like(x).bernoulli_(p)`, as dropout and SDPA's dropout on CPU
+    do) reads only the shape of the tensor it fills: fill a fresh `empty_strided` of the
+    traced shape and strides instead. Same draws in the same memory order; and under vmap
+    the draw is batched as the random mode says (`same` / `different`), where filling a
+    batched `empty_like` out of place is refused for `same`."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _RANDOM_FILLS:
+            continue
+        like = node.args[0]
+        val = like.meta["val"]  # type: ignore[union-attr]
+        with graph.inserting_before(node):
+            fresh = graph.call_function(
+                _aten.empty_strided.default,
+                (list(val.shape), list(val.stride())),
+                {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
+            )
+        fresh.meta = {**like.meta, "val": val}  # type: ignore[union-attr]
+        node.replace_input_with(like, fresh)  # type: ignore[arg-type]
+        if not like.users:  # type: ignore[union-attr]
+            graph.erase_node(like)  # type: ignore[arg-type]
+    graph.lint()
+
+
+def rrelu_as_product(gm: torch.fx.GraphModule) -> None:
+    """rrelu in training draws a slope per element into `noise` and returns `x * noise`.
+    The derivative of its functional form reads the noise it was given, not the one it
+    drew (zero gradients, torch 2.13), so its output becomes that product here: the same
+    values, differentiated by autograd."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is not _aten.rrelu_with_noise_functional.default or not argument(node, 4, False):
+            continue
+        with graph.inserting_after(node):
+            noise = graph.call_function(operator.getitem, (node, 1))
+        with graph.inserting_after(noise):
+            product = graph.call_function(_aten.mul.Tensor, (node.args[0], noise))
+        noise.meta = {**node.meta, "val": node.meta["val"][1]}
+        product.meta = {**node.meta, "val": node.meta["val"][0]}
+        for user in list(node.users):
+            if user.target is operator.getitem and user.args[1] == 0:
+                user.replace_all_uses_with(product)
+                graph.erase_node(user)
+    graph.lint()
+
+
+def argument(node: torch.fx.Node, position: int, default: Any) -> Any:
+    """An op node's argument by schema position, given positionally, by name or not at all."""
+    if position < len(node.args):
+        return node.args[position]
+    return node.kwargs.get(node.target._schema.arguments[position].name, default)  # type: ignore[union-attr]
+
+
+def writes_in_place(node: torch.fx.Node) -> bool:
+    """Whether an op node writes one of its arguments (its schema says so)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return any(a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments)
+
+
+def check_invariants(gm: torch.fx.GraphModule, allow_input_copies: bool = False) -> None:
+    """Raise AssertionError naming the node when `gm` breaks an invariant of this module.
+
+    With `allow_input_copies`, a `copy_` into a graph input is allowed (stage 1, before the
+    mutated inputs become outputs)."""
+    placeholders = {n for n in gm.graph.nodes if n.op == "placeholder"}
+    for node in gm.graph.nodes:
+        if writes_in_place(node):
+            if allow_input_copies and node.target is _aten.copy_.default and node.args[0] in placeholders:
+                continue
+            raise AssertionError(f"not functional: {node.format_node()}")
+        if node.op == "call_function" and node.target in _RANDOM_FILLS:
+            filled = node.args[0]
+            if not (isinstance(filled, torch.fx.Node) and filled.target is _aten.empty_strided.default):
+                raise AssertionError(f"not vmap-safe, a random fill of a computed tensor: {node.format_node()}")
+    gm.graph.lint()
