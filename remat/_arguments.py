@@ -41,6 +41,10 @@ class Call:
     tensor_positions: list[int]
     key: tuple[Any, ...]
 
+    def storage_offsets(self) -> tuple[int, ...]:
+        """Where each tensor starts in its storage (the graph of `as_strided` depends on it)."""
+        return tuple(_storage_offset(t) for t in (*self.tensors, *self.captured))
+
     def rebuild(self, tensors: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The (args, kwargs) of this call with `tensors` in place of its tensor leaves."""
         leaves = list(self.static_leaves)
@@ -64,6 +68,13 @@ class Call:
         finally:
             for setter, original in reversed(done):
                 setter(original)
+
+
+def _storage_offset(t: torch.Tensor) -> int:
+    try:
+        return t.storage_offset()
+    except RuntimeError:  # no storage (sparse)
+        return 0
 
 
 def format_path(root: str, keys: Sequence[Any]) -> str:

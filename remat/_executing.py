@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from ._errors import RematError
+from ._layouts import run_checked
 from ._nodes import DIFFERENTIABLE_KEY
 from ._partitioning import Partition, partition
 from ._tracing import Captured, vjp_of_graph
@@ -35,6 +36,16 @@ class Plan:
     float_outputs: list[int]  # outputs that receive cotangents
     region: str
     _higher_order: tuple[Partition, list[int], list[int]] | None = field(default=None, repr=False)
+    _layouts_checked: set[int] = field(default_factory=set, repr=False)  # ids of graphs checked once
+
+    def run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
+        """Run one of this plan's graphs; its first run checks layouts against the trace."""
+        if id(gm) in self._layouts_checked:
+            return gm(*inputs)
+        outputs, checked = run_checked(gm, self.region, *inputs)
+        if checked:
+            self._layouts_checked.add(id(gm))
+        return outputs
 
     @property
     def n_outputs(self) -> int:
@@ -110,7 +121,7 @@ class RematFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(plan: Plan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(plan.part.forward(*inputs))
+        return tuple(plan.run(plan.part.forward, *inputs))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
@@ -130,10 +141,10 @@ class RematFunction(torch.autograd.Function):
         if extra_grads:
             full, order, cotangent_outputs = plan.higher_order()
             cotangents = [plan.cotangent(grads, j, kept) for j in cotangent_outputs]
-            input_grads = full.backward(*[kept[k] for k in order], *cotangents)
+            input_grads = plan.run(full.backward, *[kept[k] for k in order], *cotangents)
         else:
             tangents = [plan.cotangent(grads, j, kept) for j in plan.float_outputs]
-            input_grads = plan.part.backward(*kept, *tangents)
+            input_grads = plan.run(plan.part.backward, *kept, *tangents)
         result: list[torch.Tensor | None] = [None] * (len(plan.captured.input_values) + 1)
         for i, g in zip(plan.diff_inputs, input_grads):
             result[i + 1] = g

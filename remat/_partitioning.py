@@ -10,7 +10,6 @@ generator state its forward run captured, so recompute draws the same numbers.
 
 from __future__ import annotations
 
-import functools
 import operator
 import warnings
 from dataclasses import dataclass, replace
@@ -25,21 +24,11 @@ from ._costs import flops
 from ._debugging import check_recomputed
 from ._naming import node_name
 from ._nodes import SCOPE_KEY, SOURCE_KEY, is_random, is_tuple, is_view, meta_arguments, producer
+from ._passes import drop_saved_value_detaches, read_mutated_inputs_from_copies, shape_only_factories
 from ._randomness import RNG_KEY, capture_rng_state, replay_random, state_shape
 from ._tracing import Scope
 
 Decide = Callable[[torch.fx.Node], bool]
-
-# Ops that read only the shape, dtype and device of their tensor argument.
-_METADATA_ONLY = {
-    torch.ops.aten.zeros_like.default: 0.0,
-    torch.ops.aten.ones_like.default: 1.0,
-    torch.ops.aten.empty_like.default: 0.0,
-    torch.ops.aten.new_zeros.default: 0.0,
-    torch.ops.aten.new_ones.default: 1.0,
-    torch.ops.aten.new_empty.default: 0.0,
-}
-
 
 @dataclass(frozen=True)
 class KeptValue:
@@ -95,48 +84,6 @@ def _ancestors(roots: Iterable[Any], stop: set[torch.fx.Node]) -> set[torch.fx.N
     return found
 
 
-def _metadata_only_to_factory(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
-    """`zeros_like(x)` in backward would keep x alive for its shape: build zeros from the shape."""
-    for node in nodes:
-        fill = _METADATA_ONLY.get(node.target)  # type: ignore[call-overload]
-        if fill is None:
-            continue
-        val = node.meta["val"]
-        with graph.inserting_before(node):
-            new = graph.call_function(
-                torch.ops.aten.full.default,
-                (list(val.shape), fill),
-                {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
-            )
-        new.meta = dict(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-
-
-def _drop_saved_value_detaches(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
-    """Autograd unpacks a saved output through `detach` when traced; for second-order
-    gradients the backward must read the value itself, as autograd's own double backward
-    does. (A user's `detach` is a forward node and stays.)"""
-    for node in nodes:
-        if node.op == "call_function" and node.target is torch.ops.aten.detach.default:
-            node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
-            graph.erase_node(node)
-
-
-def _read_copies_of(graph: torch.fx.Graph, mutated: Sequence[torch.fx.Node]) -> set[torch.fx.Node]:
-    """Make every reader of a mutated input read a copy taken before the update; the copy
-    must be kept (recomputing it in backward would copy the updated value)."""
-    copies = set()
-    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
-    for placeholder in mutated:
-        with graph.inserting_after(anchor):
-            copy = graph.call_function(torch.ops.aten.clone.default, (placeholder,))
-        copy.meta = dict(placeholder.meta)
-        placeholder.replace_all_uses_with(copy, delete_user_cb=functools.partial(operator.is_not, copy))
-        copies.add(copy)
-    return copies
-
-
 def partition(
     joint: torch.fx.GraphModule,
     n_inputs: int,
@@ -156,7 +103,7 @@ def partition(
     graph = joint.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     inputs, tangents = placeholders[:n_inputs], placeholders[n_inputs:]
-    must_keep = _read_copies_of(graph, [inputs[i] for i in mutated])
+    must_keep = read_mutated_inputs_from_copies(graph, [inputs[i] for i in mutated])
     output = next(n for n in graph.nodes if n.op == "output")
     outs, grads = list(output.args[0][:n_outputs]), list(output.args[0][n_outputs:])
     input_set = set(inputs)
@@ -165,8 +112,8 @@ def partition(
     # every output of a multi-output forward op is computed in forward, even one only backward reads
     forward_nodes |= {u for n in forward_nodes if is_tuple(n) for u in n.users}
     backward_nodes = _ancestors(grads, set(placeholders)) - forward_nodes
-    _metadata_only_to_factory(graph, [n for n in graph.nodes if n in backward_nodes])
-    _drop_saved_value_detaches(graph, [n for n in graph.nodes if n in backward_nodes])
+    shape_only_factories(graph, [n for n in graph.nodes if n in backward_nodes])
+    drop_saved_value_detaches(graph, [n for n in graph.nodes if n in backward_nodes])
     backward_nodes = _ancestors(grads := list(output.args[0][n_outputs:]), set(placeholders)) - forward_nodes
     if _ancestors(outs, set(inputs)) & set(tangents):
         raise AssertionError("remat: a forward output depends on a tangent; please report this bug")

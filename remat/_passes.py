@@ -14,7 +14,7 @@ suite builds.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.fx
@@ -81,6 +81,65 @@ def rrelu_as_product(gm: torch.fx.GraphModule) -> None:
                 user.replace_all_uses_with(product)
                 graph.erase_node(user)
     graph.lint()
+
+
+# Ops that read only the shape, dtype, device and layout of their tensor argument.
+_SHAPE_ONLY = {
+    _aten.zeros_like.default: 0.0,
+    _aten.ones_like.default: 1.0,
+    _aten.empty_like.default: 0.0,
+    _aten.new_zeros.default: 0.0,
+    _aten.new_ones.default: 1.0,
+    _aten.new_empty.default: 0.0,
+}
+
+
+def shape_only_factories(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
+    """`zeros_like(x)` in backward would keep `x` alive for its shape: build the same
+    tensor (shape, dtype, strides as traced) from constants instead. Out of place, so an
+    unbatched factory meets batched values only in ops that broadcast (vmap-safe)."""
+    for node in nodes:
+        fill = _SHAPE_ONLY.get(node.target)  # type: ignore[call-overload]
+        if fill is None:
+            continue
+        val = node.meta["val"]
+        with graph.inserting_before(node):
+            empty = graph.call_function(
+                _aten.empty_strided.default,
+                (list(val.shape), list(val.stride())),
+                {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
+            )
+            new = graph.call_function(_aten.fill.Scalar, (empty, fill))
+        empty.meta = {**node.meta}
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+
+
+def drop_saved_value_detaches(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
+    """Autograd unpacks a saved output through `detach` when traced; for second-order
+    gradients the backward must read the value itself, as autograd's own double backward
+    does. (A user's `detach` is a forward node and stays.) Keeps every invariant: a detach
+    is a view of the same value."""
+    for node in nodes:
+        if node.op == "call_function" and node.target is _aten.detach.default:
+            node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
+            graph.erase_node(node)
+
+
+def read_mutated_inputs_from_copies(graph: torch.fx.Graph, mutated: Sequence[torch.fx.Node]) -> set[torch.fx.Node]:
+    """Make every reader of a mutated input read a copy taken before the update (which
+    happens after the forward); the copies must be kept, since recomputing one in backward
+    would copy the updated value. Returns the copies."""
+    copies = set()
+    anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    for placeholder in mutated:
+        with graph.inserting_after(anchor):
+            copy = graph.call_function(_aten.clone.default, (placeholder,))
+        copy.meta = dict(placeholder.meta)
+        placeholder.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)  # type: ignore[misc]
+        copies.add(copy)
+    return copies
 
 
 def argument(node: torch.fx.Node, position: int, default: Any) -> Any:

@@ -7,6 +7,7 @@ import contextvars
 import functools
 import inspect
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import optree
@@ -87,6 +88,17 @@ def region_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
+_MISSING: Any = object()
+
+
+@dataclass
+class _PerStorageOffsets:
+    """Plans of a function whose graph reads its inputs' storage offsets (`as_strided` on
+    an input), one per tuple of offsets; other plans serve inputs at any offset."""
+
+    plans: dict[tuple[int, ...], Plan] = field(default_factory=dict)
+
+
 class Rematerialized:
     """A function that recomputes, in backward, what its policy did not keep.
 
@@ -151,12 +163,18 @@ class Rematerialized:
             return self.fn(*args, **kwargs)
         plans = self._plans if override is None else self._plans_for(policy)
         call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames)
-        if call.key in plans:
+        entry = plans.get(call.key, _MISSING)
+        if isinstance(entry, _PerStorageOffsets):
+            entry = entry.plans.get(call.storage_offsets(), _MISSING)
+        if entry is not _MISSING:
             self._hits += 1
-            plan = plans[call.key]
+            plan = entry
         else:
             plan = self._build(call, policy)
-            plans[call.key] = plan
+            if plan is not None and plan.captured.reads_storage_offsets:
+                plans.setdefault(call.key, _PerStorageOffsets()).plans[call.storage_offsets()] = plan  # type: ignore[union-attr]
+            else:
+                plans[call.key] = plan
         if plan is None:  # nothing needs a gradient: there is nothing to checkpoint
             return self.fn(*args, **kwargs)
         record(plan)

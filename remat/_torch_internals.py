@@ -44,6 +44,11 @@ def transform_levels(t: torch.Tensor) -> list[torch.Tensor]:
     return levels
 
 
+def has_batched_level(t: torch.Tensor) -> bool:
+    """Whether vmap batches `t` at some level (torch 2.13)."""
+    return any(torch._C._functorch.is_batchedtensor(level) for level in transform_levels(t))
+
+
 def unwrap_transforms(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor under every torch.func wrapper (torch 2.13)."""
     return transform_levels(t)[-1]

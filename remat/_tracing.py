@@ -30,7 +30,7 @@ from ._failures import CustomFunctionUsed, backward_failure, custom_function_beh
 from ._mutations import functionalize_remaining_mutations, outputs_for_mutations
 from ._passes import random_fills_from_shapes, rrelu_as_product
 from ._naming import annotate
-from ._nodes import DIFFERENTIABLE_KEY, SCOPE_KEY, SOURCE_KEY, is_random, producer
+from ._nodes import DIFFERENTIABLE_KEY, SCOPE_KEY, SOURCE_KEY, is_random, is_view, producer
 from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
 from ._torch_internals import (
     new_fake_mode,
@@ -139,15 +139,22 @@ class Captured:
     input_needs_grad: list[bool] = field(default_factory=list)
     scopes: list[Scope] = field(default_factory=list)  # [0] is the region itself, then nested ones
     input_values: list[Any] = field(default_factory=list)  # fake example of each graph input
+    reads_storage_offsets: bool = False  # as_strided reads an input: plans are per storage offset
 
 
 def _fake_like(mode: Any, t: torch.Tensor) -> torch.Tensor:
+    """A fake with `t`'s shape, strides and storage offset (which `as_strided` reads)."""
     with mode:
         try:
             stride = tuple(t.stride())
-            return torch.empty_strided(tuple(t.shape), stride, dtype=t.dtype, device=t.device)
-        except RuntimeError:
+            offset = t.storage_offset()
+        except RuntimeError:  # no strides (sparse): a plain dense stand-in
             return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
+        if offset == 0:
+            return torch.empty_strided(tuple(t.shape), stride, dtype=t.dtype, device=t.device)
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, stride)) if t.numel() else 0
+        base = torch.empty(offset + extent, dtype=t.dtype, device=t.device)
+        return base.as_strided(tuple(t.shape), stride, offset)
 
 
 def _fake_contiguous(mode: Any, t: torch.Tensor) -> torch.Tensor:
@@ -211,6 +218,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     random_fills_from_shapes(gm)
     outputs_for_mutations(captured, fn_name)
     captured.input_values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    captured.reads_storage_offsets = _reads_storage_offsets(gm)
     gm.recompile()
     return captured
 
@@ -229,6 +237,22 @@ def _refuse_reseeding(fn_name: str, before: list[torch.Tensor]) -> None:
         "graph cannot repeat that. Seed before calling the remat'd function, or pass a "
         "torch.Generator to the random ops."
     )
+
+
+_AS_STRIDED = {torch.ops.aten.as_strided, torch.ops.aten.as_strided_copy, torch.ops.aten.as_strided_scatter}
+
+
+def _reads_storage_offsets(gm: torch.fx.GraphModule) -> bool:
+    """Whether an `as_strided` reads a graph input (directly or through views): its result
+    then depends on where the input starts in its storage, not only on its shape."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _AS_STRIDED:
+            source = node.args[0]
+            while isinstance(source, torch.fx.Node) and source.op == "call_function" and is_view(source):
+                source = producer(source).args[0]
+            if isinstance(source, torch.fx.Node) and source.op == "placeholder":
+                return True
+    return False
 
 
 def _keep_used_captured(captured: Captured, call: Call, slotted: list[int]) -> None:

@@ -1,0 +1,244 @@
+"""torch's own op database as the oracle for remat: each op's sample inputs, run through a
+transform with and without remat, must give the same values and gradients.
+
+`run_case` returns what happened: "pass", "refused" (a RematError, which must name the
+op), "torch-cant" (the same call without remat raises: nothing to compare) or raises an
+AssertionError for a wrong result or any other error. The tests in test_opinfo.py drive it;
+`python tests/opinfo_cases.py` runs the whole sweep and prints the counts.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import optree
+import torch
+import torch.testing._internal.common_methods_invocations as cmi
+from torch.func import grad, vjp, vmap
+from torch.testing._internal.common_methods_invocations import op_db
+
+from remat import RematError, remat
+from remat import policies as P
+
+D = torch.float64
+# OpInfo wraps random ops in `wrapper_set_seed`, which reseeds inside the function. remat
+# refuses reseeding inside a region (a graph cannot repeat it); the cases seed outside.
+cmi.wrapper_set_seed = lambda op, *args, **kwargs: op(*args, **kwargs)
+
+POLICIES = {"nothing": P.nothing_saveable, "everything": P.everything_saveable, "dots": P.dots_saveable}
+SAMPLES_PER_OP = 3  # the first samples, plus a non-contiguous copy of the first
+
+
+def op_id(op: Any) -> str:
+    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+
+OPS = {op_id(op): op for op in op_db if op.supports_autograd and D in op.supported_dtypes("cpu")}
+
+# Ops remat refuses with a RematError naming the op; each with the reason. A refusal of any
+# other op fails the sweep.
+KNOWN_REFUSALS = {
+    "masked_select": "output shape depends on the values of the mask",
+    "combinations": "lowers to masked_select: output shape depends on values",
+    "linalg.lstsq": "the CPU driver's outputs have value-dependent shapes (rank, residuals)",
+    "linalg.lstsq.grad_oriented": "the CPU driver's outputs have value-dependent shapes",
+    "nn.functional.ctc_loss": "target lengths are read as Python numbers",
+    "cov": "checks its weights with aten.equal (reads values)",
+    "corrcoef": "lowers to cov, which checks its weights with aten.equal",
+    "nn.functional.gaussian_nll_loss": "checks var >= 0 by reading values",
+    "scatter_reduce.prod": "its derivative reads values (counts zeros with .item())",
+    "index_reduce.prod": "its derivative reads values (counts zeros with .item())",
+    "narrow": "a tensor `start` is read as a Python number",
+    "tensor_split": "tensor indices are read as Python numbers",
+    "index_fill": "its derivative deduplicates the indices (aten._unique: value-dependent shape)",
+    "index_put": "the derivative of a boolean-mask index runs nonzero (value-dependent shape)",
+}
+
+
+@dataclass
+class Case:
+    """One sample of one op as a function of its differentiable tensors."""
+
+    fn: Callable[..., tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]
+    primals: list[torch.Tensor]
+
+
+def samples(op: Any) -> Iterator[Any]:
+    taken = []
+    for sample in op.sample_inputs("cpu", D, requires_grad=True):
+        taken.append(sample)
+        if len(taken) == SAMPLES_PER_OP:
+            break
+    yield from taken
+    if taken:
+        try:
+            yield taken[0].noncontiguous()
+        except RuntimeError:  # sparse inputs have no strides
+            pass
+
+
+def make_case(op: Any, sample: Any) -> Case | None:
+    """f(*differentiable tensors) -> (floating outputs, other tensor outputs); every other
+    tensor of the sample is closed over, as a user's function closes over its buffers."""
+    leaves, spec = optree.tree_flatten((sample.input, sample.args, sample.kwargs))  # type: ignore[arg-type]
+    diff = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not diff:
+        return None
+
+    def fn(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        full = list(leaves)
+        for i, t in zip(diff, tensors):
+            full[i] = t
+        inp, args, kwargs = optree.tree_unflatten(spec, full)
+        out = sample.output_process_fn_grad(op(inp, *args, **kwargs))
+        tensors_out = [x for x in optree.tree_leaves(out) if isinstance(x, torch.Tensor)]  # type: ignore[arg-type]
+        floating = tuple(x for x in tensors_out if x.is_floating_point() or x.is_complex())
+        return floating, tuple(x for x in tensors_out if not (x.is_floating_point() or x.is_complex()))
+
+    return Case(fn, [leaves[i].detach() for i in diff])
+
+
+def _cotangents(outputs: tuple[torch.Tensor, ...], seed: int = 1) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in outputs)
+
+
+def _weighted_sum(outputs: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    total = torch.zeros((), dtype=D)
+    for o, w in zip(outputs, weights):
+        total = total + (o * w).sum().real
+    return total
+
+
+def _seeded(run: Callable[[], Any]) -> Any:
+    """`run()` from a fixed seed, and where the global random stream is afterwards."""
+    torch.manual_seed(0)
+    result = run()
+    return result, torch.rand(2)
+
+
+def transform_vjp(f: Callable[..., Any], case: Case) -> Any:
+    def run() -> Any:
+        out, pullback, aux = vjp(f, *case.primals, has_aux=True)
+        return out, aux, pullback(_cotangents(out))
+
+    return _seeded(run)
+
+
+def transform_backward(f: Callable[..., Any], case: Case) -> Any:
+    def run() -> Any:
+        leaves = [p.clone().requires_grad_() for p in case.primals]
+        out, aux = f(*leaves)
+        tracked = [o for o in out if o.requires_grad]
+        grads = torch.autograd.grad(tracked, leaves, _cotangents(tuple(tracked)), allow_unused=True) if tracked else ()
+        return [o.detach() for o in out], aux, grads
+
+    return _seeded(run)
+
+
+def transform_vmap_grad(f: Callable[..., Any], case: Case) -> Any:
+    """Per-sample gradients: a batch of two (the same sample, different cotangents)."""
+    out, _ = f(*case.primals)
+    weights = tuple(torch.stack([w, 2 * w]) for w in _cotangents(out))
+
+    def loss(first: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return _weighted_sum(f(first, *case.primals[1:])[0], weights)
+
+    first = torch.stack([case.primals[0], case.primals[0]])
+    return _seeded(lambda: vmap(grad(loss), in_dims=(0, 0), randomness="different")(first, weights))
+
+
+def transform_grad_grad(f: Callable[..., Any], case: Case) -> Any:
+    """Second order: the gradient of <grad f, v>."""
+    out, _ = f(*case.primals)
+    weights = _cotangents(out)
+    directions = _cotangents(tuple(case.primals), seed=2)
+    argnums = tuple(range(len(case.primals)))
+
+    def first_order(*primals: torch.Tensor) -> torch.Tensor:
+        grads = grad(lambda *p: _weighted_sum(f(*p)[0], weights), argnums=argnums)(*primals)
+        return sum((g * v).sum() for g, v in zip(grads, directions))  # type: ignore[return-value]
+
+    return _seeded(lambda: grad(first_order, argnums=argnums)(*case.primals))
+
+
+ALL, FIRST, FIRST_AND_NONCONTIGUOUS = "all", "first", "first and non-contiguous"
+# name: (runner, {policy: which samples}). nothing_saveable recomputes the whole forward in
+# backward, the most demanding case; the other policies run on the first sample.
+TRANSFORMS: dict[str, tuple[Callable[..., Any], dict[str, str]]] = {
+    "vjp": (transform_vjp, {"nothing": ALL, "everything": FIRST, "dots": FIRST}),
+    "backward": (transform_backward, {"nothing": FIRST_AND_NONCONTIGUOUS}),
+    "vmap_grad": (transform_vmap_grad, {"nothing": FIRST}),
+    "grad_grad": (transform_grad_grad, {"nothing": FIRST, "everything": FIRST}),
+}
+
+
+def _selected(which: str, index: int, last: int) -> bool:
+    return which == ALL or index == 0 or (which == FIRST_AND_NONCONTIGUOUS and index == last)
+
+
+def run_case(op_name: str, transform: str) -> list[tuple[str, str, str]]:
+    """Every selected sample of one op under one transform and its policies.
+
+    Returns (sample index, policy, outcome) rows; raises AssertionError on a wrong result,
+    an unexpected error, or a refusal that does not name the op or is not listed."""
+    op = OPS[op_name]
+    runner, selection = TRANSFORMS[transform]
+    rows = []
+    chosen = list(samples(op))
+    for index, sample in enumerate(chosen):
+        policies = [p for p, which in selection.items() if _selected(which, index, len(chosen) - 1)]
+        case = make_case(op, sample) if policies else None
+        if case is None:
+            continue
+        try:
+            expected = runner(case.fn, case)
+        except Exception:  # torch itself cannot do this: nothing to compare
+            rows.append((str(index), "-", "torch-cant"))
+            continue
+        for policy in policies:
+            where = f"{op_name}, {transform}, sample {index}, {policy}"
+            try:
+                actual = runner(remat(case.fn, policy=POLICIES[policy]), case)
+            except RematError as error:
+                if op_name not in KNOWN_REFUSALS:
+                    raise AssertionError(f"{where}: refused, and not a known refusal: {error}") from error
+                rows.append((str(index), policy, "refused"))
+                continue
+            except Exception as error:
+                raise AssertionError(f"{where}: raised {type(error).__name__}: {error}") from error
+            try:
+                torch.testing.assert_close(actual, expected, equal_nan=True)
+            except AssertionError as error:
+                raise AssertionError(f"{where}: WRONG result: {error}") from None
+            rows.append((str(index), policy, "pass"))
+    return rows
+
+
+def main() -> None:
+    """Run the whole sweep; print the outcome counts per transform and every failure."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    transforms = sys.argv[1:] or list(TRANSFORMS)
+    for transform in transforms:
+        counts: collections.Counter[str] = collections.Counter()
+        failures = []
+        start = time.perf_counter()
+        for name in OPS:
+            try:
+                counts.update(outcome for _, _, outcome in run_case(name, transform))
+            except AssertionError as error:
+                counts["FAILED"] += 1
+                failures.append(str(error).splitlines()[0][:300])
+        print(f"{transform}: {dict(counts)} in {time.perf_counter() - start:.0f} s")
+        for failure in failures:
+            print("   ", failure)
+
+
+if __name__ == "__main__":
+    main()
