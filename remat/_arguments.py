@@ -17,7 +17,8 @@ from typing import Any, Callable, Iterator, Sequence
 import optree
 import torch
 
-from ._torch_internals import autocast_state, transform_levels
+from ._errors import RematError
+from ._torch_internals import autocast_state, nested_gradients, transform_levels
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ def split_call(
             root = names[path[1]] if path[1] < len(names) else f"args[{path[1]}]"
         readable = format_path(root, path[2:])
         if isinstance(leaf, torch.Tensor):
+            _refuse_unstrided(fn, readable, leaf)
             tensors.append(leaf)
             tensor_paths.append(readable)
             positions.append(position)
@@ -146,11 +148,24 @@ def split_call(
                 ) from None
             key.append((type(leaf), leaf))
     captured, captured_paths, captured_setters, flags = collect_captured(fn)
+    for path, tensor in zip(captured_paths, captured):
+        _refuse_unstrided(fn, path, tensor)
     key.extend(tensor_signature(t) for t in captured)
     key.append(flags)
     key.append(torch.is_grad_enabled())
+    key.append(nested_gradients())
     key.append(autocast_state())
     return Call(tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key))
+
+
+def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor) -> None:
+    """Sparse and other unstrided tensors have no fake stand-in remat can trace with."""
+    if t.layout != torch.strided:
+        raise RematError(
+            f"remat({_qualname(fn)}): argument {path} is a {t.layout} tensor; remat traces strided "
+            "(dense) tensors only. Convert it with `.to_dense()` before the call, or keep the sparse "
+            "op outside the remat'd function."
+        )
 
 
 Setter = Callable[[Any], None]

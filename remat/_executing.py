@@ -17,6 +17,7 @@ import torch
 
 from ._errors import RematError
 from ._layouts import run_checked
+from ._torch_internals import transforms_active
 from ._nodes import DIFFERENTIABLE_KEY
 from ._partitioning import Partition, partition
 from ._tracing import Captured, vjp_of_graph
@@ -37,12 +38,23 @@ class Plan:
     region: str
     _higher_order: tuple[Partition, list[int], list[int]] | None = field(default=None, repr=False)
     _layouts_checked: set[int] = field(default_factory=set, repr=False)  # ids of graphs checked once
+    extra_inputs: list[int] = field(default_factory=list)  # inputs kept only for second-order gradients
 
     def run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
         """Run one of this plan's graphs; its first run checks layouts against the trace."""
-        if id(gm) in self._layouts_checked:
-            return gm(*inputs)
-        outputs, checked = run_checked(gm, self.region, *inputs)
+        try:
+            if id(gm) in self._layouts_checked:
+                return gm(*inputs)
+            outputs, checked = run_checked(gm, self.region, *inputs)
+        except RuntimeError as error:
+            if not transforms_active() or isinstance(error, RematError):
+                raise
+            raise RematError(
+                f"remat({self.region}): under a torch.func transform, torch could not run an op of the graph "
+                f"remat traced: {str(error).splitlines()[0]} remat runs a functional form of what eager code "
+                "runs in place, and torch has no batching rule for some of those ops (e.g. as_strided_scatter). "
+                "Call that op outside the remat'd function."
+            ) from error
         if checked:
             self._layouts_checked.add(id(gm))
         return outputs
@@ -85,30 +97,55 @@ class Plan:
         device = next((t.device for t in like if isinstance(t, torch.Tensor)), val.device)
         return torch.zeros(tuple(val.shape), dtype=val.dtype, device=device)
 
+    @functools.cached_property
+    def _second_order(self) -> tuple[Partition, list[int], list[int]]:
+        """The joint of the pure forward with cotangents for its kept values too, split
+        keeping exactly what the first-order forward keeps; its cotangent outputs and the
+        first-order residual positions."""
+        values = self.output_values
+        cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
+        n_states = len(self.part.replayed) + self.part.checked
+        n_values = len(values) - n_states  # rng states and debug values are not values of the pure graph
+        joint = vjp_of_graph(self.part.forward_pure, self.captured.input_values, self.diff_inputs, cotangent_outputs)
+        outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][:n_values]
+        residuals = self.part.residual_outputs[: len(self.part.residual_outputs) - n_states]
+        chosen = {outs[j] for j in residuals}
+        full = partition(joint, len(self.captured.input_values), n_values, chosen.__contains__, exact=True)
+        return full, cotangent_outputs, residuals
+
+    def keep_inputs_for_second_order(self) -> None:
+        """Called when the plan is traced under nested gradients (torch.func.grad of grad,
+        jacrev of jacrev): keep the inputs second order needs, even those first order does not."""
+        full, _, _ = self._second_order
+        self.extra_inputs = [i for i in full.saved_inputs if i not in self.part.saved_inputs]
+
+    @property
+    def n_first_order_kept(self) -> int:
+        return len(self.part.saved_inputs) + len(self.part.residual_outputs)
+
     def higher_order(self) -> tuple[Partition, list[int], list[int]]:
-        """A backward that also takes cotangents for the kept intermediates (built once, lazily)."""
+        """A backward that also takes cotangents for the kept values, and where each of its
+        kept inputs sits among the Function's saved tensors (built once, lazily)."""
         if self._higher_order is None:
-            values = self.output_values
-            cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
-            n_states = len(self.part.replayed) + self.part.checked
-            n_values = len(values) - n_states  # rng states and debug values are not values of the pure graph
-            pure = self.part.forward_pure
-            joint = vjp_of_graph(pure, self.captured.input_values, self.diff_inputs, cotangent_outputs)
-            outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][:n_values]
-            residuals = self.part.residual_outputs[: len(self.part.residual_outputs) - n_states]
-            chosen = [outs[j] for j in residuals]
-            full = partition(joint, len(self.captured.input_values), n_values, set(chosen).__contains__, exact=True)
+            full, cotangent_outputs, residuals = self._second_order
             full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
-            missing = [f"input {i}" for i in full.saved_inputs if i not in self.part.saved_inputs]
-            missing += [f"output {j}" for j in full_residuals if j not in residuals]
-            missing += [f"random op {k}" for k in full.replayed if k not in self.part.replayed]
-            if missing:
+            kept_inputs = self.part.saved_inputs + self.extra_inputs
+            missing = [self.captured.input_paths[i] for i in full.saved_inputs if i not in kept_inputs]
+            inner = [f"output {j}" for j in full_residuals if j not in residuals]
+            inner += [f"random op {k}" for k in full.replayed if k not in self.part.replayed]
+            if missing or inner:
                 raise RematError(
-                    f"remat({self.region}): this higher-order gradient needs values the policy did not "
-                    f"keep for the first-order backward ({', '.join(missing)}). Use a policy that "
-                    "keeps more (e.g. everything_saveable) for this region."
+                    f"remat({self.region}): this second-order gradient (a backward of a backward) needs "
+                    f"{', '.join(f'`{m}`' for m in missing + inner)}, which the first-order backward did "
+                    "not need, so remat did not keep it. Nest torch.func transforms instead "
+                    "(grad(grad(...)), jacrev(jacrev(...)), hessian): remat sees the nesting when it traces "
+                    "and keeps what second order needs; or use a policy that keeps more for this region."
                 )
-            order = [self.part.saved_inputs.index(i) for i in full.saved_inputs]
+            order = [
+                self.part.saved_inputs.index(i) if i in self.part.saved_inputs
+                else self.n_first_order_kept + self.extra_inputs.index(i)
+                for i in full.saved_inputs
+            ]
             offset = len(self.part.saved_inputs)
             order += [offset + residuals.index(j) for j in full_residuals]
             order += [offset + len(residuals) + self.part.replayed.index(k) for k in full.replayed]
@@ -129,6 +166,7 @@ class RematFunction(torch.autograd.Function):
         args = inputs[1:]
         ctx.plan = plan
         kept = [args[i] for i in plan.part.saved_inputs] + [output[j] for j in plan.part.residual_outputs]
+        kept += [args[i] for i in plan.extra_inputs]
         ctx.save_for_backward(*kept)
         ctx.mark_non_differentiable(*[output[j] for j in plan.nondifferentiable_outputs])
         ctx.set_materialize_grads(False)
@@ -144,7 +182,7 @@ class RematFunction(torch.autograd.Function):
             input_grads = plan.run(full.backward, *[kept[k] for k in order], *cotangents)
         else:
             tangents = [plan.cotangent(grads, j, kept) for j in plan.float_outputs]
-            input_grads = plan.run(plan.part.backward, *kept, *tangents)
+            input_grads = plan.run(plan.part.backward, *kept[: plan.n_first_order_kept], *tangents)
         result: list[torch.Tensor | None] = [None] * (len(plan.captured.input_values) + 1)
         for i, g in zip(plan.diff_inputs, input_grads):
             result[i + 1] = g

@@ -24,7 +24,12 @@ from ._costs import flops
 from ._debugging import check_recomputed
 from ._naming import node_name
 from ._nodes import SCOPE_KEY, SOURCE_KEY, is_random, is_tuple, is_view, meta_arguments, producer
-from ._passes import drop_saved_value_detaches, read_mutated_inputs_from_copies, shape_only_factories
+from ._passes import (
+    drop_saved_value_detaches,
+    index_fill_as_where,
+    read_mutated_inputs_from_copies,
+    shape_only_factories,
+)
 from ._randomness import RNG_KEY, capture_rng_state, replay_random, state_shape
 from ._tracing import Scope
 
@@ -114,6 +119,7 @@ def partition(
     backward_nodes = _ancestors(grads, set(placeholders)) - forward_nodes
     shape_only_factories(graph, [n for n in graph.nodes if n in backward_nodes])
     drop_saved_value_detaches(graph, [n for n in graph.nodes if n in backward_nodes])
+    index_fill_as_where(graph, [n for n in graph.nodes if n in backward_nodes])
     backward_nodes = _ancestors(grads := list(output.args[0][n_outputs:]), set(placeholders)) - forward_nodes
     if _ancestors(outs, set(inputs)) & set(tangents):
         raise AssertionError("remat: a forward output depends on a tangent; please report this bug")

@@ -116,6 +116,34 @@ def shape_only_factories(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) 
         graph.erase_node(node)
 
 
+def index_fill_as_where(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
+    """`index_fill(x, dim, index, value)` with a tensor `value`, as derivatives (trace's)
+    write it in place, becomes `where(mask, value, x)`: the same values, and vmap batches
+    it correctly (torch 2.13's batching rule for the out-of-place op ignores a batched
+    value when `x` is not batched)."""
+    for node in nodes:
+        if node.op != "call_function" or node.target is not _aten.index_fill.int_Tensor:
+            continue
+        target, dim, index, value = node.args[:4]
+        val = node.meta["val"]
+        with graph.inserting_before(node):
+            empty = graph.call_function(
+                _aten.empty_strided.default,
+                (list(val.shape), list(val.stride())),
+                {"dtype": torch.bool, "layout": torch.strided, "device": val.device, "pin_memory": False},
+            )
+            nothing = graph.call_function(_aten.fill.Scalar, (empty, False))
+            mask = graph.call_function(_aten.index_fill.int_Scalar, (nothing, dim, index, True))
+            cast = graph.call_function(_aten._to_copy.default, (value,), {"dtype": val.dtype})
+            where = graph.call_function(_aten.where.self, (mask, cast, target))
+        boolean = val.new_empty_strided(val.shape, val.stride(), dtype=torch.bool)
+        empty.meta = nothing.meta = mask.meta = {**node.meta, "val": boolean}
+        cast.meta = {**node.meta, "val": value.meta["val"].to(val.dtype)}  # type: ignore[union-attr]
+        where.meta = dict(node.meta)
+        node.replace_all_uses_with(where)
+        graph.erase_node(node)
+
+
 def drop_saved_value_detaches(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
     """Autograd unpacks a saved output through `detach` when traced; for second-order
     gradients the backward must read the value itself, as autograd's own double backward

@@ -17,8 +17,8 @@ from ._arguments import Call, positional_names, split_call
 from ._executing import Plan, RematFunction
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
-from ._torch_internals import copy_into, forward_ad_active
-from ._tracing import capture, differentiate, graph_output_values, inside_trace, nested_region
+from ._torch_internals import copy_into, forward_ad_active, nested_gradients
+from ._tracing import capture, differentiate, inside_trace, nested_region
 
 
 def _normalise_argnums(static_argnums: int | Iterable[int]) -> frozenset[int]:
@@ -192,10 +192,7 @@ class Rematerialized:
         diff_inputs = [i for i, needs in enumerate(captured.input_needs_grad) if needs]
         if not diff_inputs:
             return None
-        out_values = graph_output_values(captured.graph)
-        float_outputs = [
-            j for j, v in enumerate(out_values[: captured.n_outputs]) if v.is_floating_point() or v.is_complex()
-        ]
+        float_outputs = [j for j, differentiable in enumerate(captured.output_differentiable) if differentiable]
         joint = differentiate(captured, diff_inputs, float_outputs)
         n_outputs = captured.n_outputs + len(captured.mutated)
         decide = policy_decider(captured.scopes)
@@ -203,7 +200,10 @@ class Rematerialized:
         part = partition(
             joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=captured.mutated
         )
-        return Plan(captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region)
+        plan = Plan(captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region)
+        if nested_gradients():
+            plan.keep_inputs_for_second_order()
+        return plan
 
     @staticmethod
     def _apply_mutations(plan: Plan, inputs: list[torch.Tensor], results: tuple[torch.Tensor, ...]) -> None:

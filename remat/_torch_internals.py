@@ -23,6 +23,15 @@ def transforms_active() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
+def nested_gradients() -> bool:
+    """Whether two or more torch.func gradient transforms are active (grad of grad, jacrev
+    of jacrev, hessian's reverse parts), so a backward will itself be differentiated (torch 2.13)."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return sum(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()) >= 2
+
+
 def forward_ad_active() -> bool:
     """True when forward-mode AD (torch.func.jvp or forward_ad.dual_level) is live (torch 2.13)."""
     return torch.autograd.forward_ad._current_level >= 0

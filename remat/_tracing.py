@@ -140,6 +140,7 @@ class Captured:
     scopes: list[Scope] = field(default_factory=list)  # [0] is the region itself, then nested ones
     input_values: list[Any] = field(default_factory=list)  # fake example of each graph input
     reads_storage_offsets: bool = False  # as_strided reads an input: plans are per storage offset
+    output_differentiable: list[bool] = field(default_factory=list)  # per tensor output: tracked by autograd
 
 
 def _fake_like(mode: Any, t: torch.Tensor) -> torch.Tensor:
@@ -180,7 +181,9 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
             refuse_custom_function(leaf)
         out_info["spec"] = spec
         out_info["static"] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        return [x for x in leaves if isinstance(x, torch.Tensor)]
+        tensors_out = [x for x in leaves if isinstance(x, torch.Tensor)]
+        out_info["differentiable"] = [x.requires_grad for x in tensors_out]  # as eager autograd says
+        return tensors_out
 
     under_transform = transforms_active()
     with tracing_isolated(), _tracing_region(Scope(policy, fn_name)) as scopes:
@@ -206,6 +209,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         out_spec=out_info["spec"],
         out_static=out_info["static"],
         n_outputs=sum(1 for x in out_info["static"] if x is None),
+        output_differentiable=out_info["differentiable"],
         mutated=[],
         input_needs_grad=[needs_grad(t) for t in call.tensors],
         scopes=scopes,
@@ -371,9 +375,8 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
                 [primals[i] for i in diff_inputs],
                 [t for _, t in pairs],
                 create_graph=True,  # trace the backward autograd would run for higher-order gradients
-                allow_unused=True,
-                materialize_grads=True,
-            ) if pairs else [torch.zeros_like(primals[i]) for i in diff_inputs]
+                allow_unused=True,  # an input the outputs do not depend on gets None, as in eager
+            ) if pairs else [None for _ in diff_inputs]
         return [*outs, *grads]
 
     with tracing_isolated():

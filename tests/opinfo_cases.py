@@ -56,6 +56,11 @@ KNOWN_REFUSALS = {
     "tensor_split": "tensor indices are read as Python numbers",
     "index_fill": "its derivative deduplicates the indices (aten._unique: value-dependent shape)",
     "index_put": "the derivative of a boolean-mask index runs nonzero (value-dependent shape)",
+    "as_strided": "under vmap: its functional derivative uses as_strided_scatter, which has no batching rule",
+    "as_strided.partial_views": "under vmap: as_strided_scatter has no batching rule",
+    "as_strided_copy": "under vmap: as_strided_scatter has no batching rule",
+    "sparse.sampled_addmm": "sparse inputs: remat traces strided tensors only",
+    "sparse.mm.reduce": "sparse inputs: remat traces strided tensors only",
 }
 
 
