@@ -19,6 +19,8 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 
+from ._nodes import meta_arguments
+
 _aten = torch.ops.aten
 
 # Random ops that fill a tensor shaped like `self` without reading its values: the
@@ -200,3 +202,31 @@ def check_invariants(gm: torch.fx.GraphModule, allow_input_copies: bool = False)
             if not (isinstance(filled, torch.fx.Node) and filled.target is _aten.empty_strided.default):
                 raise AssertionError(f"not vmap-safe, a random fill of a computed tensor: {node.format_node()}")
     gm.graph.lint()
+
+
+def check_layouts(gm: torch.fx.GraphModule) -> None:
+    """Raise AssertionError naming the node when an op node's recorded value (shape, dtype,
+    strides) is not what the op gives for its recorded inputs: a rewrite that built a node
+    with the wrong metadata would make the graph run otherwise than traced."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        recorded = node.meta.get("val")
+        if not isinstance(recorded, torch.Tensor):
+            continue
+        try:
+            args, kwargs = meta_arguments(node)
+            if "device" in kwargs:
+                kwargs["device"] = "meta"
+            value = node.target(*args, **kwargs)
+        except Exception:  # no meta kernel, or an argument meta tensors cannot stand for
+            continue
+        if not isinstance(value, torch.Tensor):
+            continue
+        same = value.shape == recorded.shape and value.dtype == recorded.dtype
+        same = same and all(n == 1 or a == b for n, a, b in zip(value.shape, value.stride(), recorded.stride()))
+        if not same and value.numel():
+            raise AssertionError(
+                f"layout not as traced: {node.format_node()} records {recorded.dtype}{list(recorded.shape)} "
+                f"strides {list(recorded.stride())}, the op gives {value.dtype}{list(value.shape)} strides {list(value.stride())}"
+            )

@@ -418,10 +418,11 @@ def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def _differentiable_copy(target: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     """`aten.copy` (what functionalization makes of `copy_`, as in `out[:, 0] = x`) has no
-    derivative: the same values as a differentiable expression of `source`."""
+    derivative: the same values as a `where` that takes all of them from `source`, which
+    autograd differentiates as it does `copy_` (zero gradient for `target`)."""
     value = torch.ops.aten._to_copy.default(source, dtype=target.dtype, device=target.device).expand(target.shape)
-    layout = torch.channels_last if target.dim() == 4 and target.is_contiguous(memory_format=torch.channels_last) and not target.is_contiguous() else torch.contiguous_format
-    return torch.ops.aten.clone.default(value, memory_format=layout)
+    everywhere = torch.ops.aten.new_ones.default(target, target.shape, dtype=torch.bool)
+    return torch.ops.aten.where.self(everywhere, value, target)
 
 
 class _CarryMeta(torch.fx.Interpreter):

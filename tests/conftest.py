@@ -5,6 +5,7 @@ from typing import Any
 import optree
 import pytest
 import torch
+import torch.fx
 
 from remat import policies as P
 
@@ -45,3 +46,34 @@ POLICIES = {
 @pytest.fixture(params=list(POLICIES), ids=list(POLICIES))
 def policy(request: pytest.FixtureRequest) -> Any:
     return POLICIES[request.param]
+
+
+@pytest.fixture(autouse=True)
+def _every_graph_keeps_the_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every graph remat builds in any test is functional, vmap-safe and laid out as traced
+    (remat/_passes.py): checked as each plan is built."""
+    from remat import _executing, _remat
+    from remat._passes import check_invariants, check_layouts
+
+    def check(*graphs: torch.fx.GraphModule) -> None:
+        for gm in graphs:
+            check_invariants(gm)
+            check_layouts(gm)
+
+    build = _remat.Rematerialized._build
+
+    def checked_build(self: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = build(self, *args, **kwargs)
+        if plan is not None:
+            check(plan.captured.graph, plan.part.forward, plan.part.forward_pure, plan.part.backward)
+        return plan
+
+    higher_order = _executing.Plan.higher_order
+
+    def checked_higher_order(self: Any) -> Any:
+        full, order, cotangents = higher_order(self)
+        check(full.forward, full.backward)
+        return full, order, cotangents
+
+    monkeypatch.setattr(_remat.Rematerialized, "_build", checked_build)
+    monkeypatch.setattr(_executing.Plan, "higher_order", checked_higher_order)
