@@ -11,14 +11,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import optree
 import torch
 
 from ._errors import RematError
-from ._torch_internals import autocast_state, nested_gradients, transform_levels
+from ._torch_internals import autocast_state, nested_gradients, transform_levels, transforms_active
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,16 @@ class Call:
     spec: Any
     tensor_positions: list[int]
     key: tuple[Any, ...]
+    leaf_paths: list[str] = field(default_factory=list)  # readable path of every leaf
+
+    def objects(self) -> list[tuple[str, Any]]:
+        """The static leaves that are objects (not tensors, numbers or strings), by path:
+        what a function could store values in."""
+        return [
+            (path, leaf.value if isinstance(leaf, _Static) else leaf)
+            for path, leaf in zip(self.leaf_paths, self.static_leaves)
+            if not isinstance(leaf, torch.Tensor) and not isinstance(leaf.value if isinstance(leaf, _Static) else leaf, _PLAIN)
+        ]
 
     def storage_offsets(self) -> tuple[int, ...]:
         """Where each tensor starts in its storage (the graph of `as_strided` depends on it)."""
@@ -124,12 +134,14 @@ def split_call(
     tensor_paths: list[str] = []
     positions: list[int] = []
     key: list[Any] = [spec]
+    leaf_paths: list[str] = []
     for position, (path, leaf) in enumerate(zip(paths, leaves)):
         if path[0] == 1:
             root = str(path[1])
         else:
             root = names[path[1]] if path[1] < len(names) else f"args[{path[1]}]"
         readable = format_path(root, path[2:])
+        leaf_paths.append(readable)
         if isinstance(leaf, torch.Tensor):
             _refuse_unstrided(fn, readable, leaf)
             tensors.append(leaf)
@@ -153,9 +165,10 @@ def split_call(
     key.extend(tensor_signature(t) for t in captured)
     key.append(flags)
     key.append(torch.is_grad_enabled())
+    key.append(transforms_active())  # eager code runs some ops otherwise under torch.func (dropout)
     key.append(nested_gradients())
     key.append(autocast_state())
-    return Call(tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key))
+    return Call(tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key), leaf_paths)
 
 
 def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from ._errors import RematTraceError
-from ._nodes import SOURCE_KEY
+from ._nodes import SOURCE_KEY, comes_after
 from ._passes import argument
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def _functional_batch_norm(graph: torch.fx.Graph, node: torch.fx.Node, output: t
 
 def _read_new_value(graph: torch.fx.Graph, old: torch.fx.Node, new: torch.fx.Node, writer: torch.fx.Node) -> None:
     """Readers of `old` that come after `writer` read `new` instead."""
-    for user in [u for u in old.users if u is not writer and u is not new and _comes_after(graph, u, writer)]:
+    for user in [u for u in old.users if u is not writer and u is not new and comes_after(graph, u, writer)]:
         user.replace_input_with(old, new)
 
 
@@ -183,15 +183,6 @@ def _rewrite_to_twin(graph: torch.fx.Graph, node: torch.fx.Node, twin: _Twin) ->
 
 def _fake_args(args: Any) -> Any:
     return torch.fx.map_arg(args, lambda n: n.meta["val"])
-
-
-def _comes_after(graph: torch.fx.Graph, a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    for node in graph.nodes:
-        if node is b:
-            return True
-        if node is a:
-            return False
-    return False
 
 
 def _through_aliases(node: Any) -> Any:

@@ -60,3 +60,13 @@ def meta_arguments(node: torch.fx.Node) -> tuple[Any, dict[str, Any]]:
     args: Any = optree.tree_map(_to_meta, node.args, is_leaf=is_node, none_is_leaf=True)  # type: ignore[arg-type]
     kwargs: Any = optree.tree_map(_to_meta, node.kwargs, is_leaf=is_node, none_is_leaf=True)  # type: ignore[arg-type]
     return args, kwargs
+
+
+def comes_after(graph: torch.fx.Graph, a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether node `a` comes after node `b` in `graph`."""
+    for node in graph.nodes:
+        if node is b:
+            return True
+        if node is a:
+            return False
+    return False

@@ -19,47 +19,68 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 
-from ._nodes import meta_arguments
+from ._nodes import comes_after, meta_arguments
 
 _aten = torch.ops.aten
 
-# Random ops that fill a tensor shaped like `self` without reading its values: the
-# functional forms of `x.uniform_()`, `x.bernoulli_(p)`, ... (torch 2.13).
+# In-place random fills and their functional forms, which draw the same numbers in logical
+# order into a new contiguous tensor (torch 2.13).
 _RANDOM_FILLS = {
-    _aten.normal_functional.default,
-    _aten.uniform.default,
-    _aten.exponential.default,
-    _aten.cauchy.default,
-    _aten.log_normal.default,
-    _aten.geometric.default,
-    _aten.bernoulli.p,
-    _aten.bernoulli.Tensor,
-    *(getattr(_aten.random, name) for name in _aten.random.overloads()),
+    _aten.bernoulli_.float: _aten.bernoulli.p,
+    _aten.bernoulli_.Tensor: _aten.bernoulli.Tensor,
+    _aten.uniform_.default: _aten.uniform.default,
+    _aten.normal_.default: _aten.normal_functional.default,
+    _aten.exponential_.default: _aten.exponential.default,
+    _aten.cauchy_.default: _aten.cauchy.default,
+    _aten.log_normal_.default: _aten.log_normal.default,
+    _aten.geometric_.default: _aten.geometric.default,
+    **{getattr(_aten.random_, name): getattr(_aten.random, name) for name in _aten.random_.overloads()},
+}
+# Ops that make a tensor whose values nobody has read: a fill may draw into a fresh one.
+_FRESH = {
+    _aten.empty_like.default, _aten.empty.memory_format, _aten.empty_strided.default, _aten.new_empty.default,
+    _aten.zeros_like.default, _aten.ones_like.default, _aten.zeros.default, _aten.ones.default,
 }
 
 
-def random_fills_from_shapes(gm: torch.fx.GraphModule) -> None:
-    """A random fill (`empty_like(x).bernoulli_(p)`, as dropout and SDPA's dropout on CPU
-    do) reads only the shape of the tensor it fills: fill a fresh `empty_strided` of the
-    traced shape and strides instead. Same draws in the same memory order; and under vmap
-    the draw is batched as the random mode says (`same` / `different`), where filling a
-    batched `empty_like` out of place is refused for `same`."""
+_FUNCTIONAL_FILLS = set(_RANDOM_FILLS.values())
+
+
+def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
+    """Before functionalization: a random fill of a fresh tensor (`empty_like(x).bernoulli_(p)`,
+    as dropout and SDPA's dropout on CPU do) draws in the fresh tensor's memory order; its
+    functional form draws in logical order into a contiguous tensor, which puts the same
+    numbers on other elements when `x` is not contiguous. So draw into a contiguous tensor
+    laid out as the fresh one is in memory, and permute it to the logical order: the same
+    values as eager, a graph without the in-place fill, and under vmap a draw batched as
+    the random mode says (a batched `empty_like` filled out of place is refused for `same`)."""
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _RANDOM_FILLS:
+        functional = _RANDOM_FILLS.get(node.target)  # type: ignore[call-overload]
+        filled = node.args[0] if functional is not None else None
+        if not isinstance(filled, torch.fx.Node) or filled.target not in _FRESH:
             continue
-        like = node.args[0]
-        val = like.meta["val"]  # type: ignore[union-attr]
+        val = filled.meta["val"]
+        order = sorted(range(val.dim()), key=lambda d: (-val.stride(d), -val.shape[d]))  # outermost first
+        physical = [val.shape[d] for d in order]
+        inverse = sorted(range(val.dim()), key=order.__getitem__)
         with graph.inserting_before(node):
             fresh = graph.call_function(
-                _aten.empty_strided.default,
-                (list(val.shape), list(val.stride())),
+                _aten.empty.memory_format,
+                (physical,),
                 {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
             )
-        fresh.meta = {**like.meta, "val": val}  # type: ignore[union-attr]
-        node.replace_input_with(like, fresh)  # type: ignore[arg-type]
-        if not like.users:  # type: ignore[union-attr]
-            graph.erase_node(like)  # type: ignore[arg-type]
+            drawn = graph.call_function(functional, (fresh, *_positional_with_defaults(node)[1:]), dict(node.kwargs))
+            logical = graph.call_function(_aten.permute.default, (drawn, inverse))
+        fresh.meta = {**filled.meta, "val": val.new_empty(physical)}
+        drawn.meta = {**node.meta, "val": fresh.meta["val"]}
+        logical.meta = {**node.meta, "val": fresh.meta["val"].permute(inverse)}
+        node.replace_all_uses_with(logical)
+        for user in [u for u in filled.users if u is not node and comes_after(graph, u, node)]:
+            user.replace_input_with(filled, logical)
+        graph.erase_node(node)
+        if not filled.users:
+            graph.erase_node(filled)
     graph.lint()
 
 
@@ -172,6 +193,14 @@ def read_mutated_inputs_from_copies(graph: torch.fx.Graph, mutated: Sequence[tor
     return copies
 
 
+def _positional_with_defaults(node: torch.fx.Node) -> list[Any]:
+    """The node's positional arguments, with the defaults that tracing left out filled in
+    (the functional twin of an op may have no default where the in-place op had one)."""
+    schema = node.target._schema  # type: ignore[union-attr]
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    return [*node.args, *(a.default_value for a in positional[len(node.args):] if a.name not in node.kwargs)]
+
+
 def argument(node: torch.fx.Node, position: int, default: Any) -> Any:
     """An op node's argument by schema position, given positionally, by name or not at all."""
     if position < len(node.args):
@@ -197,9 +226,11 @@ def check_invariants(gm: torch.fx.GraphModule, allow_input_copies: bool = False)
             if allow_input_copies and node.target is _aten.copy_.default and node.args[0] in placeholders:
                 continue
             raise AssertionError(f"not functional: {node.format_node()}")
-        if node.op == "call_function" and node.target in _RANDOM_FILLS:
+        if node.op == "call_function" and node.target in _FUNCTIONAL_FILLS:
             filled = node.args[0]
-            if not (isinstance(filled, torch.fx.Node) and filled.target is _aten.empty_strided.default):
+            while isinstance(filled, torch.fx.Node) and filled.target is _aten.expand.default:
+                filled = filled.args[0]
+            if not (isinstance(filled, torch.fx.Node) and filled.target is _aten.empty.memory_format):
                 raise AssertionError(f"not vmap-safe, a random fill of a computed tensor: {node.format_node()}")
     gm.graph.lint()
 

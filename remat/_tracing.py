@@ -10,6 +10,8 @@ graph into one joint forward+backward graph, which the partitioner splits.
 from __future__ import annotations
 
 import contextlib
+import inspect
+import types
 import contextvars
 import operator
 import os
@@ -21,6 +23,7 @@ import optree
 import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -28,7 +31,7 @@ from ._arguments import Call, needs_grad
 from ._errors import RematTraceError
 from ._failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_frame
 from ._mutations import functionalize_remaining_mutations, outputs_for_mutations
-from ._passes import random_fills_from_shapes, rrelu_as_product
+from ._passes import random_fills_in_memory_order, rrelu_as_product
 from ._naming import annotate
 from ._nodes import DIFFERENTIABLE_KEY, SCOPE_KEY, SOURCE_KEY, is_random, is_view, producer
 from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
@@ -89,14 +92,37 @@ class _GuardTracing(TorchFunctionMode):
     torch.autograd.Function, whose forward traces but whose hand-written backward does not."""
 
     _REFUSED = {torch.Tensor.numpy: ".numpy()", torch.Tensor.tolist: ".tolist()", torch.Tensor.__array__: "numpy conversion"}
+    _DROPOUTS = {torch.nn.functional.dropout, torch.dropout}
+
+    def __init__(self, transformed: bool) -> None:
+        super().__init__()
+        self.transformed = transformed
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
         what = self._REFUSED.get(func)
         if what is not None:
             raise RematTraceError(f"{what} reads a tensor's data, which tracing does not have")
         for arg in args:
             refuse_custom_function(arg)
-        return func(*args, **(kwargs or {}))
+        if self.transformed and func in self._DROPOUTS:
+            return _dropout_as_under_transforms(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def _dropout_as_under_transforms(func: Any, input: torch.Tensor, p: float = 0.5, *rest: Any, **kwargs: Any) -> torch.Tensor:
+    """Dropout as eager code runs it under torch.func transforms, where it draws its mask in
+    logical order, not in the memory order of its input (torch 2.13: they differ for a
+    non-contiguous input, such as attention's output with batch_first)."""
+    names = ["training", "inplace"] if func is torch.nn.functional.dropout else ["train"]
+    options = dict(zip(names, rest), **kwargs)
+    train = options.get("training", options.get("train", True))
+    if not train or p == 0 or options.get("inplace", False):
+        return func(input, p, *rest, **kwargs)
+    if p == 1:
+        return input * torch.zeros((), dtype=input.dtype, device=input.device)
+    noise = torch.empty((), dtype=input.dtype, device=input.device).expand(input.shape)
+    return input * torch.ops.aten.bernoulli.p(noise, 1 - p).div_(1 - p)
 
 
 def refuse_custom_function(value: Any) -> None:
@@ -174,7 +200,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         replacements = list(call.captured)
         for i, t in zip(slotted, tensors[n_explicit:]):
             replacements[i] = t
-        with call.substituted(replacements), _Recorder(), _GuardTracing():
+        with call.substituted(replacements), _Recorder(), _GuardTracing(under_transform):
             out = fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten(out)
         for leaf in leaves:
@@ -198,6 +224,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         except Exception as error:  # torch raises many types here; all mean "cannot trace"
             raise trace_failure(fn_name, error) from error
         _refuse_reseeding(fn_name, generators)
+        _refuse_stored_tracing_values(fn_name, fn, call)
     _reject_data_dependent_ops(gm, fn_name)
     _number_random_ops(gm)
     captured = Captured(
@@ -216,10 +243,10 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     )
     _keep_used_captured(captured, call, slotted)
     _lift_constants(captured, call, fn_name, under_transform)
+    random_fills_in_memory_order(gm)
     gm = captured.graph = functionalized(gm)
     functionalize_remaining_mutations(gm, fn_name)
     rrelu_as_product(gm)
-    random_fills_from_shapes(gm)
     outputs_for_mutations(captured, fn_name)
     captured.input_values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     captured.reads_storage_offsets = _reads_storage_offsets(gm)
@@ -257,6 +284,58 @@ def _reads_storage_offsets(gm: torch.fx.GraphModule) -> bool:
             if isinstance(source, torch.fx.Node) and source.op == "placeholder":
                 return True
     return False
+
+
+def _refuse_stored_tracing_values(fn_name: str, fn: Callable[..., Any], call: Call) -> None:
+    """A function that stores a value it computes in an object it was given or closes over
+    (a key/value cache's `update`, `self.last_attention = a`) would leave tracing stand-ins
+    there: refuse, naming where."""
+    owner = fn.__self__ if inspect.ismethod(fn) else fn if isinstance(fn, torch.nn.Module) else None
+    roots = [*call.objects(), ("self", owner) if owner is not None else ("", fn)]
+    for path, root in roots:
+        found = _stand_in_reachable(root, path, 4, set())
+        if found is not None:
+            raise RematTraceError(
+                f"remat could not trace `{fn_name}`: it stores a tensor it computes in `{found}`. remat "
+                "traces the function once with stand-in tensors and then runs a graph, so that object "
+                "would hold stand-ins, not values. Return the value instead of storing it (for Hugging "
+                "Face models in training: `use_cache=False`, as their own gradient checkpointing sets)."
+            )
+
+
+def _stand_in_reachable(value: Any, path: str, depth: int, seen: set[int]) -> str | None:
+    """The path of a tracing stand-in (fake tensor) reachable from `value`, if any."""
+    if isinstance(value, FakeTensor):
+        return path
+    if depth == 0 or id(value) in seen or isinstance(value, (torch.Tensor, str, bytes, type)) or callable(value) and not (
+        inspect.isfunction(value) or isinstance(value, torch.nn.Module)
+    ):
+        return None
+    seen.add(id(value))
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    elif inspect.isfunction(value):
+        items = ((name, cell.cell_contents) for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()) if _filled(cell))
+    elif hasattr(value, "__dict__") and not isinstance(value, types.ModuleType):
+        items = ((k, v) for k, v in vars(value).items() if k not in ("_parameters", "_buffers"))
+    else:
+        return None
+    for key, item in items:
+        inner = (f"{path}.{key}" if path else key) if isinstance(key, str) else f"{path}[{key!r}]"
+        found = _stand_in_reachable(item, inner, depth - 1, seen)
+        if found is not None:
+            return found
+    return None
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 def _keep_used_captured(captured: Captured, call: Call, slotted: list[int]) -> None:

@@ -77,3 +77,22 @@ def _every_graph_keeps_the_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(_remat.Rematerialized, "_build", checked_build)
     monkeypatch.setattr(_executing.Plan, "higher_order", checked_higher_order)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "opinfo: the sweep over torch's OpInfo database (tests/test_opinfo.py)")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Counts of the OpInfo sweep's outcomes per transform, from every passed test's record."""
+    counts: dict[str, dict[str, int]] = {}
+    for report in terminalreporter.stats.get("passed", []):
+        for name, rows in getattr(report, "user_properties", []):
+            if name == "opinfo":
+                for transform, outcome in rows:
+                    counts.setdefault(transform, {}).setdefault(outcome, 0)
+                    counts[transform][outcome] += 1
+    if counts:
+        terminalreporter.write_sep("-", "OpInfo sweep: sample x policy runs per transform")
+        for transform, outcomes in counts.items():
+            terminalreporter.write_line(f"{transform}: " + ", ".join(f"{k} {v}" for k, v in sorted(outcomes.items())))

@@ -1,5 +1,6 @@
 """Cases that torch's op database and real models found silently wrong or refused, each
-against the same call without remat (float64). Every test here failed before its fix."""
+against the same call without remat (float64). Most failed before their fix; the rest pin
+neighbouring behaviour (the .backward() twin of a torch.func case, a refusal's message)."""
 
 from __future__ import annotations
 
@@ -297,3 +298,38 @@ def test_an_op_with_integer_outputs() -> None:
     )
     assert torch.equal(aux_r, aux)
     assert_close(pullback_r(torch.ones(3, dtype=D)), pullback(torch.ones(3, dtype=D)))
+
+
+NON_CONTIGUOUS_RANDOM = {
+    "dropout": lambda x: F.dropout(x.transpose(0, 1), p=0.3, training=True),
+    "bernoulli_": lambda x: torch.empty_like(x.transpose(0, 1)).bernoulli_(0.4) * x.transpose(0, 1),
+    "uniform_": lambda x: torch.empty_like(x.permute(2, 0, 1)).uniform_() * x.permute(2, 0, 1),
+    "sdpa dropout": lambda x: F.scaled_dot_product_attention(*(x.transpose(0, 1),) * 3, dropout_p=0.3),
+}
+
+
+@pytest.mark.parametrize("name", list(NON_CONTIGUOUS_RANDOM))
+@pytest.mark.parametrize("transform", ["backward", "vjp", "vmap_different", "vmap_same"])
+def test_random_fills_of_non_contiguous_tensors_draw_as_eager(name: str, transform: str) -> None:
+    """In-place fills draw in memory order; eager dropout under torch.func draws in logical
+    order. remat draws as eager code does in each case (a batch_first attention output is
+    transposed, and dropout follows it). Not covered: a hand-written in-place fill of a
+    non-contiguous tensor under vmap, whose order depends on vmap's physical layout."""
+    if transform.startswith("vmap") and name.endswith("_"):
+        pytest.skip("in-place fills of non-contiguous tensors under vmap: drawn in another order (README)")
+    f = lambda x: NON_CONTIGUOUS_RANDOM[name](x).sin().sum()  # noqa: E731
+    x = torch.randn(4, 2, 8, dtype=D)
+
+    def run(g: Callable[..., torch.Tensor]) -> Any:
+        torch.manual_seed(1)
+        if transform == "backward":
+            result = _backward(g, x)[:2]
+        elif transform == "vjp":
+            value, pullback = vjp(g, x)
+            result = value, pullback(torch.ones((), dtype=D))
+        else:
+            xs = torch.stack([x, 2 * x])
+            result = vmap(grad(g), randomness=transform.split("_")[1])(xs)
+        return result, torch.rand(2)
+
+    assert_close(run(remat(g := f)), run(g))

@@ -1,0 +1,272 @@
+"""remat on real architectures, against the same model and call without remat.
+
+Models (tests/model_zoo.py): Hugging Face Llama, GPT-2 and BERT (SDPA and eager
+attention), a timm-style ViT, torch's nn.TransformerEncoder (post- and pre-norm),
+two static-shape mixture-of-experts layers, and torchvision's ResNet BasicBlock. All are
+tiny, float64, random-init, in training mode with dropout on. The remat'd model is a
+`copy.deepcopy` of the reference taken before `checkpoint_layers` changes it in place, so
+both start from the same parameters; both runs are seeded identically.
+
+Calling styles:
+  backward     model(**batch) -> loss.backward(): loss, every .grad, every buffer
+               (bitwise) and the global random stream afterwards; two steps, so the
+               second runs from remat's cache.
+  functional   torch.func.grad_and_value over functional_call's parameter dict.
+  per-sample   vmap(grad(loss of one example), randomness="different").
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import model_zoo as Z
+import pytest
+import torch
+from torch.func import functional_call, grad, grad_and_value, vmap
+
+import remat
+from remat import RematError
+from remat import policies as P
+
+from conftest import assert_close
+
+pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")  # e.g. dots_and_attention on a conv block
+
+MODEL_POLICIES: dict[str, Any] = {
+    "none": None,
+    "nothing": P.nothing_saveable,
+    "everything": P.everything_saveable,
+    "dots": P.dots_saveable,
+    "dots_no_batch": P.dots_with_no_batch_dims_saveable,
+    "dots_attention": P.dots_and_attention_saveable,
+}
+CASES = {case.name: case for case in Z.HF_CASES + Z.OWN_CASES}
+SEED = 1234
+
+
+def _transform_params(offset: int) -> list[tuple[str, str]]:
+    """(case, policy) pairs for the torch.func styles, which cost a trace each (a second or
+    more per transformers model on 2 cores). `backward` runs every policy on every model;
+    here each transformers model gets one policy and each of our own models two, rotated
+    so that each style still runs every policy on transformers models and on our own."""
+    names = list(MODEL_POLICIES)
+    pairs = [(case.name, names[(i + offset) % len(names)]) for i, case in enumerate(Z.HF_CASES)]
+    for i, case in enumerate(Z.OWN_CASES):
+        pairs += [(case.name, names[(2 * i + offset + j) % len(names)]) for j in range(2)]
+    return pairs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_intra_op_thread() -> Any:
+    """These models are tiny: a second intra-op thread only adds synchronisation, which on
+    a busy 2-core machine costs milliseconds per op (the file ran 5 minutes instead of 2).
+    Remat and the reference run under the same setting; restored after the module."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@functools.cache
+def _prototype(case_name: str) -> torch.nn.Module:
+    """Each model is built once (building a transformers model costs seconds) and copied."""
+    torch.manual_seed(0)
+    return CASES[case_name].build()
+
+
+def _pair(case: Z.Case, policy_name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(remat'd model, reference) with identical parameters and buffers."""
+    reference = copy.deepcopy(_prototype(case.name))
+    model = copy.deepcopy(reference)
+    remat.checkpoint_layers(case.layers(model), MODEL_POLICIES[policy_name])
+    return model, reference
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in model.named_buffers()}
+
+
+def _assert_rematerialized(case: Z.Case, model: torch.nn.Module, hits: int = 0) -> None:
+    """The remat'd layers really ran through remat (traced, then `hits` calls from the cache)."""
+    for layer in case.layers(model):
+        info = layer.forward.cache_info()
+        assert info["traces"] >= 1 and info["hits"] >= hits, info
+
+
+def _assert_bitwise(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    differ = [name for name in expected if not torch.equal(actual[name], expected[name])]
+    assert not differ, f"buffers differ from no remat: {differ}"
+
+
+# ---------------------------------------------------------------- backward
+
+
+def _backward_steps(case: Z.Case, model: torch.nn.Module, steps: int = 2) -> Any:
+    batch = case.batch(Z.BATCH)
+    losses = []
+    torch.manual_seed(SEED)
+    for _ in range(steps):
+        loss = case.loss(model(**case.model_kwargs(batch)), batch)
+        loss.backward()
+        losses.append(loss.detach())
+    after = torch.rand(4)  # where the global random stream is after forward and backward
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    return losses, grads, _buffers(model), after
+
+
+@pytest.mark.parametrize("policy_name", list(MODEL_POLICIES))
+@pytest.mark.parametrize("case_name", list(CASES))
+def test_backward_matches_no_remat(case_name: str, policy_name: str) -> None:
+    case = CASES[case_name]
+    model, reference = _pair(case, policy_name)
+    losses, grads, buffers, after = _backward_steps(case, model)
+    ref_losses, ref_grads, ref_buffers, ref_after = _backward_steps(case, reference)
+    assert_close(losses, ref_losses)
+    assert_close(grads, ref_grads)
+    _assert_bitwise(buffers, ref_buffers)
+    assert torch.equal(after, ref_after), "global random stream differs from no remat after forward+backward"
+    _assert_rematerialized(case, model, hits=1)
+
+
+# ---------------------------------------------------------------- functional_call + grad
+
+
+def _functional(case: Z.Case, model: torch.nn.Module) -> Any:
+    batch = case.batch(Z.BATCH)
+
+    def loss_fn(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return case.loss(functional_call(model, params, (), case.model_kwargs(batch)), batch)
+
+    torch.manual_seed(SEED)
+    grads, loss = grad_and_value(loss_fn)(_params(model))
+    return loss, grads, _buffers(model), torch.rand(4)
+
+
+@pytest.mark.parametrize(("case_name", "policy_name"), _transform_params(0))
+def test_functional_call_grad_matches_no_remat(case_name: str, policy_name: str) -> None:
+    case = CASES[case_name]
+    model, reference = _pair(case, policy_name)
+    loss, grads, buffers, after = _functional(case, model)
+    ref_loss, ref_grads, ref_buffers, ref_after = _functional(case, reference)
+    assert_close((loss, grads), (ref_loss, ref_grads))
+    _assert_bitwise(buffers, ref_buffers)
+    assert torch.equal(after, ref_after), "global random stream differs from no remat"
+    _assert_rematerialized(case, model)
+
+
+# ---------------------------------------------------------------- per-sample gradients
+
+
+def _per_sample(case: Z.Case, model: torch.nn.Module, examples: int = 3) -> Any:
+    batch = case.examples(examples)
+
+    def loss_one(params: dict[str, torch.Tensor], example: dict[str, torch.Tensor]) -> torch.Tensor:
+        example = {k: v.unsqueeze(0) for k, v in example.items()}
+        return case.loss(functional_call(model, params, (), case.model_kwargs(example)), example)
+
+    torch.manual_seed(SEED)
+    grads = vmap(grad(loss_one), in_dims=(None, 0), randomness="different")(_params(model), batch)
+    return grads, torch.rand(4)
+
+
+@pytest.mark.parametrize(("case_name", "policy_name"), _transform_params(3))
+def test_per_sample_grads_match_no_remat(case_name: str, policy_name: str) -> None:
+    case = CASES[case_name]
+    model, reference = _pair(case, policy_name)
+    try:
+        expected = _per_sample(case, reference)
+    except Exception as error:  # noqa: BLE001 - only the reference's own failure skips
+        pytest.skip(f"no remat fails under vmap(grad) too: {type(error).__name__}: {str(error).splitlines()[0][:200]}")
+    assert_close(_per_sample(case, model), expected)
+    _assert_rematerialized(case, model)
+
+
+# ---------------------------------------------------------------- ResNet BasicBlock with BatchNorm
+
+
+def _block_pair() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    reference = Z.basic_block()
+    return copy.deepcopy(reference), reference, torch.randn(4, 4, 8, 8, dtype=Z.D)
+
+
+@pytest.mark.parametrize("policy_name", list(MODEL_POLICIES))
+def test_resnet_block_module_matches_no_remat(policy_name: str) -> None:
+    block, reference, x = _block_pair()
+    checkpointed = remat.remat(block, policy=MODEL_POLICIES[policy_name])
+
+    def run(f: Callable[[torch.Tensor], torch.Tensor], module: torch.nn.Module) -> Any:
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        outs = []
+        for xi in xs:  # two steps: running statistics update twice, the second from the cache
+            out = f(xi)
+            out.pow(2).mean().backward()
+            outs.append(out.detach())
+        return outs, [xi.grad for xi in xs], {n: p.grad for n, p in module.named_parameters()}, _buffers(module)
+
+    outs, x_grads, grads, buffers = run(checkpointed, block)
+    ref_outs, ref_x_grads, ref_grads, ref_buffers = run(reference, reference)
+    assert_close((outs, x_grads, grads), (ref_outs, ref_x_grads, ref_grads))
+    _assert_bitwise(buffers, ref_buffers)
+    assert buffers["bn1.num_batches_tracked"].item() == 2
+
+
+@pytest.mark.parametrize("policy_name", list(MODEL_POLICIES))
+def test_resnet_block_functional_call_with_buffers_matches_no_remat(policy_name: str) -> None:
+    block, reference, x = _block_pair()
+    checkpointed = remat.remat(block, policy=MODEL_POLICIES[policy_name])
+
+    def run(module: torch.nn.Module, source: torch.nn.Module) -> Any:
+        params, buffers = _params(source), _buffers(source)
+
+        def loss_fn(params: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return functional_call(module, (params, buffers), (x,)).pow(2).mean()
+
+        grads, loss = grad_and_value(loss_fn, argnums=(0, 2))(params, buffers, x)
+        return loss, grads, buffers
+
+    loss, grads, buffers = run(checkpointed, block)
+    ref_loss, ref_grads, ref_buffers = run(reference, reference)
+    assert_close((loss, grads), (ref_loss, ref_grads))
+    _assert_bitwise(buffers, ref_buffers)  # the passed-in buffers were updated, once
+    assert buffers["bn1.num_batches_tracked"].item() == 1
+    _assert_bitwise(_buffers(block), _buffers(reference))  # the modules' own buffers untouched
+
+
+# ---------------------------------------------------------------- things that are not a plain oracle
+
+
+def test_mixtral_style_moe_with_data_dependent_routing_is_refused_naming_the_op() -> None:
+    """Mixtral's `torch.where(expert_mask[e])` gives a data-dependent shape: remat refuses."""
+    torch.manual_seed(0)
+    reference = Z.MoEModel(Z.MixtralMoE).to(Z.D).train()
+    model = copy.deepcopy(reference)
+    remat.checkpoint_layers(model.blocks, P.dots_saveable)
+    batch = Z._tokens(Z.BATCH)
+    Z._lm_loss(reference(batch["input_ids"]), batch).backward()  # fine without remat
+    line = r"model_zoo\.py:\d+ \(`slot, token = torch\.where\(expert_mask\[e\]\)`\)"
+    with pytest.raises(RematError, match=line + r".*aten\.nonzero"):
+        model(batch["input_ids"])
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_default_kv_cache_is_refused_naming_the_cache_and_the_fix(name: str) -> None:
+    """LlamaConfig and GPT2Config default to use_cache=True, so a training forward makes a
+    new DynamicCache and fills it inside each decoder layer. remat would fill it with its
+    tracing stand-ins (and trace anew for every new cache object): it refuses, naming the
+    cache and `use_cache=False`, which transformers' own gradient checkpointing sets."""
+    torch.manual_seed(0)
+    model = {"llama": Z.llama, "gpt2": Z.gpt2}[name]("sdpa", use_cache=True)
+    assert model.config.use_cache
+    layers = model.model.layers if name == "llama" else model.transformer.h
+    remat.checkpoint_layers(layers, P.dots_saveable)
+    with pytest.raises(RematError, match=r"stores a tensor it computes in `[a-z_]+\.layers\[0\]\.keys`.*use_cache=False"):
+        model(**Z._tokens(Z.BATCH))

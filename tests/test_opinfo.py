@@ -1,0 +1,19 @@
+"""torch's OpInfo database as the oracle: every op that supports autograd in float64, its
+sample inputs, under vjp / .backward() / vmap(grad) / grad(grad) and the built-in
+policies, against the same call without remat (see opinfo_cases.py). The outcome counts
+per transform are printed at the end of the run."""
+
+from __future__ import annotations
+
+import pytest
+
+from opinfo_cases import OPS, TRANSFORMS, run_case
+
+pytestmark = [pytest.mark.opinfo, pytest.mark.filterwarnings("ignore")]  # torch's deprecation warnings, unmatched policies
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_op_matches_no_remat(op_name: str, transform: str, record_property: pytest.RecordProperty) -> None:
+    rows = run_case(op_name, transform)
+    record_property("opinfo", [(transform, outcome) for _, _, outcome in rows])
