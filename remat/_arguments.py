@@ -83,7 +83,7 @@ class Call:
 
 def _storage_offset(t: torch.Tensor) -> int:
     try:
-        return t.storage_offset()
+        return int(t.storage_offset())
     except RuntimeError:  # no storage (sparse)
         return 0
 
@@ -160,8 +160,8 @@ def split_call(
                 ) from None
             key.append((type(leaf), leaf))
     captured, captured_paths, captured_setters, flags = collect_captured(fn)
-    for path, tensor in zip(captured_paths, captured):
-        _refuse_unstrided(fn, path, tensor)
+    for captured_path, tensor in zip(captured_paths, captured):
+        _refuse_unstrided(fn, captured_path, tensor)
     key.extend(tensor_signature(t) for t in captured)
     key.append(flags)
     key.append(torch.is_grad_enabled())

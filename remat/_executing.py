@@ -17,9 +17,9 @@ import torch
 
 from ._errors import RematError
 from ._layouts import run_checked
-from ._torch_internals import transforms_active
 from ._nodes import DIFFERENTIABLE_KEY
 from ._partitioning import Partition, partition
+from ._torch_internals import transforms_active
 from ._tracing import Captured, vjp_of_graph
 
 

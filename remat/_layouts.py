@@ -2,8 +2,8 @@
 
 Graphs are traced on fake tensors whose metadata comes from each op's meta function. A
 real kernel may disagree: CPU layer norm returns float32 statistics for bfloat16 input
-where its meta function says bfloat16; vendor kernels lay out or pad their outputs their
-own way. The op itself is what eager code runs too, so its real value is right; what can
+where its meta function says bfloat16; any kernel may lay out its output otherwise than
+its meta function says. The op itself is what eager code runs too, so its real value is right; what can
 go wrong is the rest of the graph, traced under the wrong belief (autocast inserts a cast
 only where it sees another dtype; `as_strided` reads memory order). So the first run of
 each graph of a plan goes node by node and compares every value with what was traced:

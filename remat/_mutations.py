@@ -95,10 +95,11 @@ def _functional_batch_norm(graph: torch.fx.Graph, node: torch.fx.Node, output: t
         functional = graph.call_function(_aten._native_batch_norm_legit_functional.default, node.args, node.kwargs)
     functional.meta = dict(node.meta)
     for user in list(node.users):
-        if user.target is operator.getitem and user.args[1] > 2 and not user.users:
+        index: Any = user.args[1] if user.target is operator.getitem else None
+        if index is not None and index > 2 and not user.users:
             graph.erase_node(user)  # an unused extra output, e.g. cuDNN's reserve space
             continue
-        if user.target is not operator.getitem or user.args[1] > 2:
+        if index is None or index > 2:
             raise RematTraceError(
                 f"remat({fn_name}): the output {user.args[1]} of `{node.target}` cannot be traced "
                 "functionally. Use only the normalized output of batch norm inside remat."
@@ -203,7 +204,7 @@ def outputs_for_mutations(captured: Captured, fn_name: str) -> None:
         target = _through_aliases(node.args[0]) if node.op == "call_function" else None
         if node.target is torch.ops.aten.copy_.default and target in placeholders:
             index = placeholders.index(target)
-            example = target.meta["val"]
+            example = target.meta["val"]  # type: ignore[union-attr]
             if (example.is_floating_point() or example.is_complex()) and captured.input_needs_grad[index]:
                 raise RematTraceError(
                     f"remat({fn_name}) mutates its input `{captured.input_paths[index]}` in place, and "

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 
-from ._nodes import comes_after, meta_arguments
+from ._nodes import comes_after
 
 _aten = torch.ops.aten
 
@@ -70,7 +70,7 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
                 (physical,),
                 {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
             )
-            drawn = graph.call_function(functional, (fresh, *_positional_with_defaults(node)[1:]), dict(node.kwargs))
+            drawn = graph.call_function(functional, (fresh, *_positional_with_defaults(node)[1:]), dict(node.kwargs))  # type: ignore[arg-type]
             logical = graph.call_function(_aten.permute.default, (drawn, inverse))
         fresh.meta = {**filled.meta, "val": val.new_empty(physical)}
         drawn.meta = {**node.meta, "val": fresh.meta["val"]}
@@ -185,9 +185,17 @@ def read_mutated_inputs_from_copies(graph: torch.fx.Graph, mutated: Sequence[tor
     copies = set()
     anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for placeholder in mutated:
-        with graph.inserting_after(anchor):
-            copy = graph.call_function(_aten.clone.default, (placeholder,))
-        copy.meta = dict(placeholder.meta)
+        val = placeholder.meta["val"]
+        with graph.inserting_after(anchor):  # a copy with the input's very strides: later views stay as traced
+            empty = graph.call_function(
+                _aten.empty_strided.default,
+                (list(val.shape), list(val.stride())),
+                {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
+            )
+        with graph.inserting_after(empty):
+            copy = graph.call_function(_aten.copy.default, (empty, placeholder))
+        empty.meta = {"val": val.new_empty_strided(val.shape, val.stride())}
+        copy.meta = {**placeholder.meta, "val": empty.meta["val"]}
         placeholder.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)  # type: ignore[misc]
         copies.add(copy)
     return copies
@@ -237,8 +245,21 @@ def check_invariants(gm: torch.fx.GraphModule, allow_input_copies: bool = False)
 
 def check_layouts(gm: torch.fx.GraphModule) -> None:
     """Raise AssertionError naming the node when an op node's recorded value (shape, dtype,
-    strides) is not what the op gives for its recorded inputs: a rewrite that built a node
-    with the wrong metadata would make the graph run otherwise than traced."""
+    strides) is not what the op gives, on fake tensors, for its recorded inputs: a rewrite
+    that built a node with the wrong metadata would make the graph run otherwise than traced."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake(value: Any) -> Any:
+        if isinstance(value, torch.fx.Node):
+            val = value.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                with mode:
+                    return torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+            return val
+        return value
+
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
@@ -246,11 +267,10 @@ def check_layouts(gm: torch.fx.GraphModule) -> None:
         if not isinstance(recorded, torch.Tensor):
             continue
         try:
-            args, kwargs = meta_arguments(node)
-            if "device" in kwargs:
-                kwargs["device"] = "meta"
-            value = node.target(*args, **kwargs)
-        except Exception:  # no meta kernel, or an argument meta tensors cannot stand for
+            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), fake)
+            with mode:
+                value = node.target(*args, **kwargs)
+        except Exception:  # an argument fake tensors cannot stand for
             continue
         if not isinstance(value, torch.Tensor):
             continue

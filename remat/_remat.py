@@ -172,7 +172,8 @@ class Rematerialized:
         else:
             plan = self._build(call, policy)
             if plan is not None and plan.captured.reads_storage_offsets:
-                plans.setdefault(call.key, _PerStorageOffsets()).plans[call.storage_offsets()] = plan  # type: ignore[union-attr]
+                per_offsets = plans.setdefault(call.key, _PerStorageOffsets())  # type: ignore[call-overload]
+                per_offsets.plans[call.storage_offsets()] = plan
             else:
                 plans[call.key] = plan
         if plan is None:  # nothing needs a gradient: there is nothing to checkpoint

@@ -10,20 +10,20 @@ graph into one joint forward+backward graph, which the partitioner splits.
 from __future__ import annotations
 
 import contextlib
-import inspect
-import types
 import contextvars
+import inspect
 import operator
 import os
 import traceback
+import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import optree
 import torch
 import torch.fx
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -31,9 +31,9 @@ from ._arguments import Call, needs_grad
 from ._errors import RematTraceError
 from ._failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_frame
 from ._mutations import functionalize_remaining_mutations, outputs_for_mutations
-from ._passes import random_fills_in_memory_order, rrelu_as_product
 from ._naming import annotate
 from ._nodes import DIFFERENTIABLE_KEY, SCOPE_KEY, SOURCE_KEY, is_random, is_view, producer
+from ._passes import random_fills_in_memory_order, rrelu_as_product
 from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
 from ._torch_internals import (
     new_fake_mode,
@@ -43,6 +43,7 @@ from ._torch_internals import (
     transforms_active,
     unwrap_transforms,
 )
+
 
 @dataclass(frozen=True)
 class Scope:

@@ -1,0 +1,128 @@
+"""A plan's first run checks real values against the traced ones (remat/_layouts.py).
+
+Real kernels can disagree with their meta functions (CPU layer norm returns float32
+statistics for bfloat16 input where its meta function says bfloat16). These
+tests make such kernels on CPU with custom ops whose fake implementation says otherwise
+than the real one, and check that remat is exact where the difference cannot matter and
+refuses, naming both ops, where it would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from remat import RematError, remat
+from remat import policies as P
+
+from conftest import assert_close
+
+D = torch.float64
+POLICIES = [P.nothing_saveable, P.everything_saveable, P.save_ops("remat_layout_tests::column_major")]
+
+
+@torch.library.custom_op("remat_layout_tests::column_major", mutates_args=())
+def column_major(x: torch.Tensor) -> torch.Tensor:
+    """Twice x, laid out column-major, where its fake says row-major."""
+    return (2 * x).t().contiguous().t()
+
+
+@column_major.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+column_major.register_autograd(lambda ctx, g: 2 * g)
+
+
+@torch.library.custom_op("remat_layout_tests::wider_stats", mutates_args=())
+def wider_stats(x: torch.Tensor) -> torch.Tensor:
+    """Per-row means in float64 for float32 input, where its fake says float32 (as CPU
+    layer norm does for bfloat16)."""
+    return x.double().mean(-1, keepdim=True)
+
+
+@wider_stats.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[:-1] + (1,))
+
+
+def _grads(f: Any, *args: torch.Tensor) -> Any:
+    leaves = [a.clone().requires_grad_() for a in args]
+    out = f(*leaves)
+    return out.detach(), torch.autograd.grad(out, leaves)
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=str)
+def test_a_layout_that_no_op_reads_runs_as_in_eager(policy: Any) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = column_major(x @ w)
+        return (y.sin() @ w.t()).pow(2).sum()
+
+    x, w = torch.randn(3, 4, dtype=D), torch.randn(4, 5, dtype=D)
+    g = remat(f, policy=policy)
+    for _ in range(2):  # the first run checks, the second runs the plain graph
+        assert_close(_grads(g, x, w), _grads(f, x, w))
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=str)
+def test_a_layout_that_as_strided_reads_is_refused_naming_both_ops(policy: Any) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = column_major(x @ w)
+        return torch.as_strided(y, (y.numel(),), (1,)).sin().sum()
+
+    x, w = torch.randn(3, 4, dtype=D), torch.randn(4, 5, dtype=D)
+    message = r"column_major.*test_layouts.py:\d+ laid out its result with strides \[1, 3\].*\[5, 1\].*as_strided.*test_layouts.py:\d+"
+    with pytest.raises(RematError, match=message):
+        _grads(remat(f, policy=policy), x, w)
+
+
+def test_a_dtype_difference_that_later_results_do_not_see_runs_as_in_eager() -> None:
+    """Like layer norm's statistics: the differing value flows into ops whose results are
+    still what was traced (here a comparison), so the graph did not part from eager code.
+    (A cast back with `.float()` would not do: traced on a float32 stand-in it is no op,
+    and the check reports the graph parting from eager at the next op.)"""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        above = x.detach() > wider_stats(x.detach())
+        return (x * above).pow(2).sum()
+
+    x = torch.randn(3, 4)
+    assert_close(_grads(remat(f), x), _grads(f, x))
+
+
+def test_a_dtype_difference_that_changes_later_results_is_refused() -> None:
+    """The traced graph believed float32, so every op after it was traced for float32;
+    the real float64 value makes them compute something else than traced."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x * wider_stats(x.detach())).sum()
+
+    with pytest.raises(RematError, match=r"aten.mul.Tensor.*float64.*traced as torch.float32.*wider_stats"):
+        remat(f)(torch.randn(3, 4, requires_grad=True))
+
+
+AATEN = torch.ops.aten
+CUDA_ATTENTION = {
+    "flash": lambda q, k, v: AATEN._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0],
+    "flash dropout": lambda q, k, v: AATEN._scaled_dot_product_flash_attention(q, k, v, 0.1, True)[0],
+    "efficient": lambda q, k, v: AATEN._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[0],
+    "cudnn": lambda q, k, v: AATEN._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True)[0],
+}
+
+
+@pytest.mark.parametrize("policy", [None, P.everything_saveable, P.dots_and_attention_saveable], ids=str)
+@pytest.mark.parametrize("kernel", list(CUDA_ATTENTION))
+def test_cuda_attention_kernels_structure_on_the_meta_device(kernel: str, policy: Any) -> None:
+    """The CUDA kernels' schemas (integer outputs, philox seed/offset tensors, a padded
+    logsumexp), run through the whole pipeline on data-free meta tensors, as CPU-only
+    machines can: forward, setup_context and backward must handle every output kind.
+    Values need a GPU (tests/test_cuda.py); this checks structure: gradients' metadata."""
+    if kernel == "flash dropout" and policy is None:
+        pytest.skip("replaying a random op needs a real generator: on meta only the kept kernel output runs")
+    attention = CUDA_ATTENTION[kernel]
+    f = lambda q, k, v: attention(q, k, v).sum()  # noqa: E731
+    q, k, v = (torch.empty(2, 4, 16, 8, device="meta", dtype=torch.float16).requires_grad_() for _ in range(3))
+    expected = torch.autograd.grad(f(q, k, v), (q, k, v))
+    actual = torch.autograd.grad(remat(f, policy=policy)(q, k, v), (q, k, v))
+    for a, e in zip(actual, expected):
+        assert (a.shape, a.stride(), a.dtype) == (e.shape, e.stride(), e.dtype)
