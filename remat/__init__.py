@@ -7,6 +7,8 @@ rest, under `.backward()` and every torch.func transform.
 from __future__ import annotations
 
 from . import policies
+from ._arguments import RematStateWarning
+from ._caching import RematRetraceWarning, clear_cache
 from ._comparing import Comparison, compare, format_comparison, plot_frontier
 from ._debugging import RecomputeMismatchError
 from ._errors import RematError, RematTraceError
@@ -34,6 +36,9 @@ __all__ = [
     "RematTraceError",
     "RecomputeMismatchError",
     "RematPolicyWarning",
+    "RematRetraceWarning",
+    "RematStateWarning",
+    "clear_cache",
     "policies",
     "using_policy",
     "without_remat",

@@ -9,14 +9,20 @@ tensor that an enclosing torch.func transform differentiates is passed in, never
 from __future__ import annotations
 
 import contextlib
+import dis
 import functools
 import inspect
+import os
+import sysconfig
+import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import optree
 import torch
 
+from ._caching import TRACE_LOCK
 from ._errors import RematError
 from ._torch_internals import autocast_state, nested_gradients, transform_levels, transforms_active
 
@@ -52,6 +58,19 @@ class Call:
             if not isinstance(leaf, torch.Tensor) and not isinstance(leaf.value if isinstance(leaf, _Static) else leaf, _PLAIN)
         ]
 
+    def key_labels(self) -> list[str]:
+        """What each part of `key` stands for, to say what changed between traces."""
+        return [
+            "the arguments' structure",
+            *(f"argument {p}" for p in self.leaf_paths),
+            *(f"captured {p or 'tensor'}" for p in self.captured_paths),
+            "values read from the closure or module settings",
+            "grad mode",
+            "torch.func transforms",
+            "nested gradients",
+            "autocast",
+        ]
+
     def storage_offsets(self) -> tuple[int, ...]:
         """Where each tensor starts in its storage (the graph of `as_strided` depends on it)."""
         return tuple(_storage_offset(t) for t in (*self.tensors, *self.captured))
@@ -70,6 +89,7 @@ class Call:
         """Put `replacements` where the captured tensors live (closure cells, module
         parameters), for the duration of a trace; tuple-held ones stay as they are."""
         done = []
+        _SUBSTITUTING[0] += 1
         try:
             for setter, original, new in zip(self.captured_setters, self.captured, replacements):
                 if setter is not None:
@@ -79,6 +99,7 @@ class Call:
         finally:
             for setter, original in reversed(done):
                 setter(original)
+            _SUBSTITUTING[0] += 1
 
 
 def _storage_offset(t: torch.Tensor) -> int:
@@ -152,14 +173,15 @@ def split_call(
             try:
                 hash(leaf)
             except TypeError:
+                kind = type(leaf.value if isinstance(leaf, _Static) else leaf).__name__
                 raise TypeError(
-                    f"remat({_qualname(fn)}): argument {readable} is a {type(leaf).__name__}, which is "
+                    f"remat({_qualname(fn)}): argument {readable} is a {kind}, which is "
                     "neither a tensor nor hashable. Non-tensor arguments are static (part of the "
                     "cache key), so they must be hashable: pass a tuple instead of a list, or make "
                     "it a pytree of tensors."
                 ) from None
             key.append((type(leaf), leaf))
-    captured, captured_paths, captured_setters, flags = collect_captured(fn)
+    captured, captured_paths, captured_setters, flags = _collect_consistently(fn)
     for captured_path, tensor in zip(captured_paths, captured):
         _refuse_unstrided(fn, captured_path, tensor)
     key.extend(tensor_signature(t) for t in captured)
@@ -169,6 +191,22 @@ def split_call(
     key.append(nested_gradients())
     key.append(autocast_state())
     return Call(tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key), leaf_paths)
+
+
+# Odd while a trace has put stand-ins where functions find their captured tensors; counts
+# up at every start and end of such a substitution (only ever under TRACE_LOCK).
+_SUBSTITUTING = [0]
+
+
+def _collect_consistently(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[str], list[Setter | None], tuple[Any, ...]]:
+    """collect_captured, never in the middle of another thread's trace (which would hand
+    out its stand-ins): lock-free unless a substitution started or ended meanwhile."""
+    before = _SUBSTITUTING[0]
+    found = collect_captured(fn)
+    if before % 2 == 0 and _SUBSTITUTING[0] == before:
+        return found
+    with TRACE_LOCK:
+        return collect_captured(fn)
 
 
 def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor) -> None:
@@ -247,16 +285,72 @@ def collect_captured(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[s
             visit(value.__func__, path, None, depth + 1)
         elif isinstance(value, _PLAIN):
             flags.append((path, value))  # a number or string read from a closure is traced in
-        elif inspect.isfunction(value):
+        elif inspect.isfunction(value) and not _in_a_library(value.__code__):
+            names = _names_of(value.__code__)
             for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
                 try:
                     contents = cell.cell_contents
                 except ValueError:  # a cell not yet assigned
                     continue
-                visit(contents, name, _cell_setter(cell), depth + 1)
+                if name not in names.written:  # state the function updates is not an input
+                    visit(contents, name, _cell_setter(cell), depth + 1)
+            namespace = value.__globals__
+            for name in names.globals:  # looked up on every call: a rebound global is seen
+                if name in namespace and name not in names.written:
+                    visit(namespace[name], name, _item_setter(namespace, name), depth + 1)
 
     visit(fn, "self" if isinstance(fn, torch.nn.Module) else "", None, 0)
     return found, paths, setters, tuple(flags)
+
+
+@dataclass(frozen=True)
+class _Names:
+    globals: tuple[str, ...]  # global names the code (and code nested in it) may read
+    written: frozenset[str]  # nonlocal and global names it assigns
+
+
+@functools.lru_cache(maxsize=4096)
+def _names_of(code: types.CodeType) -> _Names:
+    """What a function's code reads from its globals and what state it assigns."""
+    names: list[str] = []
+    written: set[str] = set()
+    stack = [code]
+    while stack:
+        current = stack.pop()
+        names.extend(current.co_names)
+        written.update(
+            i.argval for i in dis.get_instructions(current) if i.opname in ("STORE_DEREF", "STORE_GLOBAL")
+            and (i.argval in current.co_freevars or i.opname == "STORE_GLOBAL")
+        )
+        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+    if written:
+        warnings.warn_explicit(
+            f"remat: `{getattr(code, 'co_qualname', code.co_name)}` assigns "
+            f"{', '.join(f'`{n}`' for n in sorted(written))} (nonlocal or global). remat runs Python code "
+            "when it traces, not on every call, so such an assignment happens once per trace and the "
+            "graph uses the value it saw then. Keep state outside the remat'd function, or pass it "
+            "as an argument and return the new value.",
+            RematStateWarning,
+            code.co_filename,
+            code.co_firstlineno,
+        )
+    return _Names(tuple(dict.fromkeys(names)), frozenset(written))
+
+
+class RematStateWarning(UserWarning):
+    """A remat'd function assigns nonlocal or global state, which runs only when it traces."""
+
+
+_LIBRARIES = tuple(
+    {sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib")}
+    | {os.path.dirname(os.path.abspath(__file__)), os.path.dirname(torch.__file__)}
+)
+
+
+def _in_a_library(code: types.CodeType) -> bool:
+    """Code of an installed package or of the standard library: its closures and globals
+    hold no tensors of the user's (a model's parameters are found through its module)."""
+    return code.co_filename.startswith(_LIBRARIES)
 
 
 def _qualname(fn: Callable[..., Any]) -> str:

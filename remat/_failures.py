@@ -13,9 +13,14 @@ from typing import Any, Sequence
 
 import optree
 import torch
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    UnsupportedFakeTensorException,
+    UnsupportedOperatorException,
+)
 
-from ._errors import RematTraceError
+from ._errors import RematError, RematTraceError
 from ._torch_internals import is_custom_op_autograd
 
 _LIBRARY_DIRS = (
@@ -101,16 +106,19 @@ def data_dependence_advice(kind: str, op: Any) -> str:
     )
 
 
-def trace_failure(fn_name: str, error: BaseException) -> RematTraceError:
-    """The error to raise when running `fn_name` on data-free tensors raised `error`."""
+def trace_failure(fn_name: str, error: BaseException) -> BaseException:
+    """The error to raise when running `fn_name` on data-free tensors raised `error`: a
+    RematTraceError where tracing is what failed (a value read as a number, a shape that
+    depends on values, a custom autograd.Function), else `error` itself, which the same
+    call without remat raises too, with a note saying where remat met it."""
     where = describe_frame(user_frame(traceback.extract_tb(error.__traceback__)))
     if isinstance(error, CustomFunctionUsed):
         return RematTraceError(
             f"remat could not trace `{fn_name}`: it uses the custom torch.autograd.Function "
             f"`{error.function.__qualname__}` (its result is read at {where}), whose hand-written backward "
-            "remat cannot trace. Register the operation "
-            "with torch.library.custom_op and register_autograd (remat traces those, and policies "
-            "can name them with save_ops), or apply remat to the code inside the Function instead."
+            "remat cannot trace. Register the operation with torch.library.custom_op and register_autograd "
+            "(remat traces those, and policies can name them with save_ops), or apply remat to the code "
+            "inside the Function instead."
         )
     dependence = _data_dependence(error)
     if dependence is not None:
@@ -120,14 +128,32 @@ def trace_failure(fn_name: str, error: BaseException) -> RematTraceError:
             f"remat could not trace `{fn_name}`: it mutates in place an input that requires grad, at {where}. "
             "Return the new value instead of mutating the input."
         )
-    return RematTraceError(f"remat could not trace `{fn_name}` at {where}: {str(error).splitlines()[0]}\n{_STATIC_HINT}")
+    if isinstance(error, RematError) or _is_tracing_limit(error):
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        hint = f"\n{_STATIC_HINT}" if _is_tracing_limit(error) or "data" in first_line else ""
+        return RematTraceError(f"remat could not trace `{fn_name}` at {where}: {first_line}{hint}")
+    if hasattr(error, "add_note"):
+        error.add_note(f"(raised while remat traced `{fn_name}`, at {where}; the same call without remat raises it too)")
+    return error
 
 
-def backward_failure(fn_name: str, error: BaseException, blamed: Any, source: str | None) -> RematTraceError:
+def _is_tracing_limit(error: BaseException) -> bool:
+    """Whether torch raised `error` because the tensors are fakes (no data, no kernel)."""
+    fake_errors = (UnsupportedFakeTensorException, UnsupportedOperatorException)
+    return isinstance(error, fake_errors) or any(
+        text in str(error) for text in ("FakeTensor", "data pointer", "meta tensor", "Meta tensor")
+    )
+
+
+def backward_failure(fn_name: str, error: BaseException, blamed: Any, source: str | None) -> BaseException:
     """The error to raise when tracing the backward of `fn_name` raised `error` inside the
     derivative of op `blamed` (None if unknown), which ran at `source`."""
     culprit = f"the derivative of `{_op_name(blamed)}` (at {source or 'an unknown line'})" if blamed is not None else "its backward pass"
     dependence = _data_dependence(error)
+    if dependence is None and not isinstance(error, RematError) and not _is_tracing_limit(error):
+        if hasattr(error, "add_note"):  # the user's own code raised it (a custom op's backward)
+            error.add_note(f"(raised while remat traced the backward of `{fn_name}`: {culprit}; remat traces backward when forward first runs)")
+        return error  # type: ignore[return-value]
     if dependence is not None:
         kind, op = dependence
         return RematTraceError(

@@ -13,6 +13,8 @@ import torch.fx
 SOURCE_KEY = "remat_source"  # the user's file:line that ran the op
 SCOPE_KEY = "remat_scope"  # index of the nested remat region whose policy governs the op
 DIFFERENTIABLE_KEY = "remat_differentiable"  # whether autograd tracks the value
+BACKWARD_KEY = "remat_backward"  # computed by an autograd.grad/backward the function runs: whether it builds a graph
+USER_DETACH_KEY = "remat_user_detach"  # a `detach` the function's code calls (not autograd's own)
 
 
 def producer(node: torch.fx.Node) -> torch.fx.Node:

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 
-from ._nodes import comes_after
+from ._nodes import BACKWARD_KEY, USER_DETACH_KEY, comes_after
 
 _aten = torch.ops.aten
 
@@ -81,6 +81,36 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
         graph.erase_node(node)
         if not filled.users:
             graph.erase_node(filled)
+    graph.lint()
+
+
+def inner_backwards_as_eager(gm: torch.fx.GraphModule) -> None:
+    """A function may run torch.autograd.grad itself (a gradient penalty). Traced, its
+    backward is plain ops, and autograd's own plumbing shows as `detach`es; so that the
+    graph is differentiated as eager code is:
+    - with create_graph=True, the detaches autograd puts around saved values are aliases
+      (eager's double backward differentiates through them); a user's `detach` stays;
+    - without it, the gradients are constants: a detach goes where they leave the backward."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        custom = node.meta.get("custom", {})
+        builds_graph = custom.get(BACKWARD_KEY)
+        if builds_graph is False:
+            outside = [u for u in node.users if u.meta.get("custom", {}).get(BACKWARD_KEY) is None and u.op != "output"]
+            outside += [u for u in node.users if u.op == "output"]
+            if outside:
+                with graph.inserting_after(node):
+                    constant = graph.call_function(_aten.detach.default, (node,))
+                constant.meta = {**node.meta, "custom": {k: v for k, v in custom.items() if k != BACKWARD_KEY}}
+                for user in outside:
+                    user.replace_input_with(node, constant)
+        elif node.target is _aten.detach.default and not custom.get(USER_DETACH_KEY):
+            readers = [u.meta.get("custom", {}).get(BACKWARD_KEY) for u in node.users]
+            if builds_graph or (readers and all(r is True for r in readers)):
+                node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
+                graph.erase_node(node)
     graph.lint()
 
 

@@ -5,15 +5,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import inspect
-import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import optree
 import torch
 
 from ._arguments import Call, positional_names, split_call
+from ._caching import DEFAULT_CACHE_SIZE, MISSING, TRACE_LOCK, PlanCache, clear_cache, plan_cache
 from ._executing import Plan, RematFunction
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
@@ -31,25 +29,6 @@ def _normalise_argnames(static_argnames: str | Iterable[str]) -> frozenset[str]:
     if isinstance(static_argnames, str):
         return frozenset([static_argnames])
     return frozenset(static_argnames)
-
-
-_PLAN_STORES: "weakref.WeakKeyDictionary[Any, dict[Any, dict[Any, Plan | None]]]" = weakref.WeakKeyDictionary()
-
-
-def _plan_store(fn: Callable[..., Any], settings: tuple[Any, ...]) -> dict[Any, Plan | None]:
-    """The plans traced for `fn` with these settings, shared by every wrapper of it.
-
-    `remat(block)(x)` or `remat(self.block.forward)(x)` inside a model's forward builds a
-    new wrapper per call; keying plans by the module (or function) that owns them lets
-    those wrappers reuse one trace. The store dies with its owner.
-    """
-    owner = fn.__self__ if inspect.ismethod(fn) else fn
-    function = fn.__func__ if inspect.ismethod(fn) else None
-    try:
-        per_owner = _PLAN_STORES.setdefault(owner, {})
-    except TypeError:  # not weak-referenceable: plans live with the wrapper
-        return {}
-    return per_owner.setdefault((function, settings), {})
 
 
 _NO_REMAT = ("no remat",)
@@ -88,17 +67,6 @@ def region_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-_MISSING: Any = object()
-
-
-@dataclass
-class _PerStorageOffsets:
-    """Plans of a function whose graph reads its inputs' storage offsets (`as_strided` on
-    an input), one per tuple of offsets; other plans serve inputs at any offset."""
-
-    plans: dict[tuple[int, ...], Plan] = field(default_factory=dict)
-
-
 class Rematerialized:
     """A function that recomputes, in backward, what its policy did not keep.
 
@@ -113,6 +81,7 @@ class Rematerialized:
         static_argnums: int | Iterable[int],
         static_argnames: str | Iterable[str],
         debug: bool = False,
+        cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"remat: expected a function or nn.Module to wrap, got {fn!r}")
@@ -133,6 +102,9 @@ class Rematerialized:
         self.static_argnums = _normalise_argnums(static_argnums)
         self.static_argnames = _normalise_argnames(static_argnames)
         self.debug = debug
+        if not isinstance(cache_size, int) or cache_size < 1:
+            raise ValueError(f"remat: cache_size must be a positive int (plans kept per function), got {cache_size!r}")
+        self.cache_size = cache_size
         self.region = region_name(fn)
         self._names = positional_names(fn)
         self._plans = self._plans_for(policy)
@@ -147,8 +119,24 @@ class Rematerialized:
         return f"remat({self.region}, policy={self.policy!r})"
 
     def cache_info(self) -> dict[str, int]:
-        """Calls that reused a traced plan, traces made, plans held."""
-        return {"hits": self._hits, "traces": self._traces, "size": len(self._plans)}
+        """Calls of this wrapper that reused a traced plan, traces it made, plans its
+        function holds (shared with other wrappers of the same function), and the bound."""
+        return {"hits": self._hits, "traces": self._traces, "size": len(self._plans.plans), "maxsize": self.cache_size}
+
+    def clear_cache(self) -> None:
+        """Drop this function's traced plans; the next call traces again."""
+        clear_cache(self.fn)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its plans (traced graphs are a cache, rebuilt on first call)."""
+        state = dict(self.__dict__)
+        del state["_plans"]
+        state["_hits"] = state["_traces"] = 0
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._plans = self._plans_for(self.policy)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         override = _OVERRIDE.get()
@@ -163,19 +151,16 @@ class Rematerialized:
             return self.fn(*args, **kwargs)
         plans = self._plans if override is None else self._plans_for(policy)
         call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames)
-        entry = plans.get(call.key, _MISSING)
-        if isinstance(entry, _PerStorageOffsets):
-            entry = entry.plans.get(call.storage_offsets(), _MISSING)
-        if entry is not _MISSING:
+        plan = plans.lookup(call.key, call.storage_offsets)
+        if plan is not MISSING:
             self._hits += 1
-            plan = entry
         else:
-            plan = self._build(call, policy)
-            if plan is not None and plan.captured.reads_storage_offsets:
-                per_offsets = plans.setdefault(call.key, _PerStorageOffsets())  # type: ignore[call-overload]
-                per_offsets.plans[call.storage_offsets()] = plan
-            else:
-                plans[call.key] = plan
+            with TRACE_LOCK:  # one trace at a time in the process; another thread may have built it
+                plan = plans.lookup(call.key, call.storage_offsets)
+                if plan is MISSING:
+                    plan = self._build(call, policy)
+                    offsets = call.storage_offsets() if plan is not None and plan.captured.reads_storage_offsets else None
+                    plans.store(call.key, call.key_labels(), plan, offsets)
         if plan is None:  # nothing needs a gradient: there is nothing to checkpoint
             return self.fn(*args, **kwargs)
         record(plan)
@@ -184,8 +169,9 @@ class Rematerialized:
         self._apply_mutations(plan, inputs, results)
         return self._rebuild_outputs(plan, results)
 
-    def _plans_for(self, policy: Callable[..., bool] | None) -> dict[Any, Plan | None]:
-        return _plan_store(self.fn, (policy, self.static_argnums, self.static_argnames, self.debug))
+    def _plans_for(self, policy: Callable[..., bool] | None) -> PlanCache:
+        settings = (policy, self.static_argnums, self.static_argnames, self.debug)
+        return plan_cache(self.fn, settings, self.region, self.cache_size)
 
     def _build(self, call: Call, policy: Callable[..., bool] | None) -> Plan | None:
         self._traces += 1
@@ -228,6 +214,7 @@ def remat(
     static_argnums: int | Iterable[int] = (),
     static_argnames: str | Iterable[str] = (),
     debug: bool = False,
+    cache_size: int = DEFAULT_CACHE_SIZE,
 ) -> Any:
     """Rematerialize `fn`: keep only what `policy` allows for backward, recompute the rest.
 
@@ -251,12 +238,17 @@ def remat(
     `debug=True` makes backward check every recomputed value against the forward's and
     raise `RecomputeMismatchError` naming the op and line on a difference (it keeps those
     values, so it costs memory; off by default, and then free).
+
+    Plans are cached per function and policy, at most `cache_size` of them (least recently
+    used first out); `remat.clear_cache()` drops them, and a function that keeps tracing
+    gets a `RematRetraceWarning` saying what changed between its traces.
     """
     if fn is None:
         return functools.partial(
-            remat, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames, debug=debug
+            remat, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames, debug=debug,
+            cache_size=cache_size,
         )
-    wrapped = Rematerialized(fn, policy, static_argnums, static_argnames, debug)
+    wrapped = Rematerialized(fn, policy, static_argnums, static_argnames, debug, cache_size)
     return RematerializedModule(fn, wrapped) if isinstance(fn, torch.nn.Module) else wrapped
 
 

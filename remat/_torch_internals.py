@@ -32,6 +32,11 @@ def nested_gradients() -> bool:
     return sum(i.key() == TransformType.Grad for i in retrieve_all_functorch_interpreters()) >= 2
 
 
+def autograd_engine_running() -> bool:
+    """True while the autograd engine runs a backward node on this thread (torch 2.13)."""
+    return torch._C._current_autograd_node() is not None
+
+
 def forward_ad_active() -> bool:
     """True when forward-mode AD (torch.func.jvp or forward_ad.dual_level) is live (torch 2.13)."""
     return torch.autograd.forward_ad._current_level >= 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import inspect
 import operator
 import os
@@ -32,10 +33,20 @@ from ._errors import RematTraceError
 from ._failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_frame
 from ._mutations import functionalize_remaining_mutations, outputs_for_mutations
 from ._naming import annotate
-from ._nodes import DIFFERENTIABLE_KEY, SCOPE_KEY, SOURCE_KEY, is_random, is_view, producer
-from ._passes import random_fills_in_memory_order, rrelu_as_product
+from ._nodes import (
+    BACKWARD_KEY,
+    DIFFERENTIABLE_KEY,
+    SCOPE_KEY,
+    SOURCE_KEY,
+    USER_DETACH_KEY,
+    is_random,
+    is_view,
+    producer,
+)
+from ._passes import inner_backwards_as_eager, random_fills_in_memory_order, rrelu_as_product
 from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
 from ._torch_internals import (
+    autograd_engine_running,
     new_fake_mode,
     preserve_node_meta,
     tracing_isolated,
@@ -94,6 +105,7 @@ class _GuardTracing(TorchFunctionMode):
 
     _REFUSED = {torch.Tensor.numpy: ".numpy()", torch.Tensor.tolist: ".tolist()", torch.Tensor.__array__: "numpy conversion"}
     _DROPOUTS = {torch.nn.functional.dropout, torch.dropout}
+    _DETACHES = {torch.Tensor.detach, torch.detach}
 
     def __init__(self, transformed: bool) -> None:
         super().__init__()
@@ -104,11 +116,20 @@ class _GuardTracing(TorchFunctionMode):
         what = self._REFUSED.get(func)
         if what is not None:
             raise RematTraceError(f"{what} reads a tensor's data, which tracing does not have")
+        if func is torch.Tensor.backward:
+            raise RematTraceError(
+                "`.backward()` accumulates into `.grad` as a side effect, which a traced graph cannot "
+                "repeat; use `torch.autograd.grad(..., create_graph=True)` (or torch.func.grad) inside the "
+                "region and return the gradients"
+            )
         for arg in args:
             refuse_custom_function(arg)
         if self.transformed and func in self._DROPOUTS:
             return _dropout_as_under_transforms(func, *args, **kwargs)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func in self._DETACHES and isinstance(out, torch.Tensor):
+            annotate(tracing_node(out), USER_DETACH_KEY, True, producer_too=False)
+        return out
 
 
 def _dropout_as_under_transforms(func: Any, input: torch.Tensor, p: float = 0.5, *rest: Any, **kwargs: Any) -> torch.Tensor:
@@ -140,6 +161,7 @@ class _Recorder(TorchDispatchMode):
         frame = user_frame(traceback.extract_stack())
         state = _TRACING.get()
         scope = state[1] if state is not None else 0
+        in_backward = autograd_engine_running()  # the function runs torch.autograd.grad / .backward
         for leaf in optree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 node = tracing_node(leaf)
@@ -147,6 +169,8 @@ class _Recorder(TorchDispatchMode):
                     annotate(node, SOURCE_KEY, f"{os.path.basename(frame.filename)}:{frame.lineno}", overwrite=False)
                 if scope:
                     annotate(node, SCOPE_KEY, scope, overwrite=False)
+                if in_backward:
+                    annotate(node, BACKWARD_KEY, torch.is_grad_enabled(), producer_too=False)
         return out
 
 
@@ -222,8 +246,11 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         generators = global_generator_states()
         try:
             gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
-        except Exception as error:  # torch raises many types here; all mean "cannot trace"
-            raise trace_failure(fn_name, error) from error
+        except Exception as error:
+            failure = trace_failure(fn_name, error)
+            if failure is error:  # the user's own exception (or torch's, as eager would raise)
+                raise
+            raise failure from error
         _refuse_reseeding(fn_name, generators)
         _refuse_stored_tracing_values(fn_name, fn, call)
     _reject_data_dependent_ops(gm, fn_name)
@@ -245,6 +272,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     _keep_used_captured(captured, call, slotted)
     _lift_constants(captured, call, fn_name, under_transform)
     random_fills_in_memory_order(gm)
+    inner_backwards_as_eager(gm)
     gm = captured.graph = functionalized(gm)
     functionalize_remaining_mutations(gm, fn_name)
     rrelu_as_product(gm)
@@ -444,11 +472,12 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
     out_values = graph_output_values(g1)
 
     blame: list[torch.fx.Node] = []  # the forward node whose derivative runs now
+    hooks: list[Any] = []
 
     def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
         primals, tangents = flat[:n_inputs], flat[n_inputs:]
         with torch.enable_grad(), preserve_node_meta():
-            outs = _MarkDifferentiable(g1, blame).run(*primals)
+            outs = _MarkDifferentiable(g1, blame, hooks).run(*primals)
             pairs = [(outs[i], t) for i, t in zip(float_outputs, tangents) if outs[i].requires_grad]
             grads = torch.autograd.grad(
                 [o for o, _ in pairs],
@@ -471,7 +500,15 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
         except Exception as error:  # a derivative that cannot run without data
             node = blame[-1] if blame else None
             source = node.meta.get("custom", {}).get(SOURCE_KEY) if node is not None else None
-            raise backward_failure(captured.scopes[0].region if captured.scopes else "the region", error, node.target if node is not None else None, source) from error
+            failure = backward_failure(
+                captured.scopes[0].region if captured.scopes else "the region", error, node.target if node is not None else None, source
+            )
+            if failure is error:
+                raise
+            raise failure from error
+        finally:
+            for hook in hooks:
+                hook.remove()
         return functionalized(traced)
 
 
@@ -522,6 +559,10 @@ class _CarryMeta(torch.fx.Interpreter):
         return out
 
 
+def _blame(blame: list[torch.fx.Node], node: torch.fx.Node, grads: Any) -> None:
+    blame.append(node)
+
+
 class _MarkDifferentiable(_CarryMeta):
     """Runs a graph under autograd and notes which values it tracks.
 
@@ -531,16 +572,17 @@ class _MarkDifferentiable(_CarryMeta):
     derivative that fails can be traced back to the op and the user's line.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, blame: list[torch.fx.Node]) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, blame: list[torch.fx.Node], hooks: list[Any]) -> None:
         super().__init__(gm)
         self.blame = blame
+        self.hooks = hooks  # removed after the trace: a hook on an autograd node would keep its graph alive
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if isinstance(out, torch.Tensor):
             annotate(tracing_node(out), DIFFERENTIABLE_KEY, bool(out.requires_grad), producer_too=False)
             if out.grad_fn is not None and n.op == "call_function":
-                out.grad_fn.register_prehook(lambda grads, node=producer(n): self.blame.append(node))
+                self.hooks.append(out.grad_fn.register_prehook(functools.partial(_blame, self.blame, producer(n))))
         return out
 
 

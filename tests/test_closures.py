@@ -107,10 +107,44 @@ def test_global_parameter_gets_its_gradient() -> None:
     assert_close(GLOBAL_WEIGHT.grad, expected)
 
 
-def test_unreachable_tensor_under_a_transform_is_an_error() -> None:
+def test_a_global_under_a_transform_is_a_constant_of_it_as_without_remat() -> None:
+    """A notebook's globals: torch.func.grad differentiates its argument, and a global
+    tensor is a constant to it (as in JAX); the plain autograd graph still reaches it."""
+    x = torch.randn(3, 4, dtype=D)
+    GLOBAL_WEIGHT.grad = None
+    actual = grad(lambda x: remat(_uses_global)(x).sum())(x)
+    assert_close(actual, grad(lambda x: _uses_global(x).sum())(x))
+
+
+class _Holder:
+    weight = torch.randn(4, 4, dtype=D)
+
+
+HOLDER = _Holder()
+
+
+def test_a_tensor_behind_an_arbitrary_object_under_a_transform_is_an_error() -> None:
+    """remat looks through closures, globals, containers and modules, not any object's
+    attributes; under a transform it cannot tell whether such a tensor is differentiated."""
     x = torch.randn(3, 4, dtype=D)
     with pytest.raises(RematTraceError, match="Pass it as an argument"):
-        grad(lambda x: remat(_uses_global)(x).sum())(x)
+        grad(lambda x: remat(lambda x: torch.tanh(x @ HOLDER.weight))(x).sum())(x)
+
+
+def test_a_rebound_global_is_seen_on_the_next_call() -> None:
+    global GLOBAL_SCALE
+    f = remat(lambda x: (x * GLOBAL_SCALE).sum())
+    x = torch.ones(3, dtype=D, requires_grad=True)
+    GLOBAL_SCALE = torch.tensor(2.0, dtype=D, requires_grad=True)
+    assert f(x).item() == 6.0
+    GLOBAL_SCALE = torch.tensor(5.0, dtype=D, requires_grad=True)
+    out = f(x)
+    out.backward()
+    assert out.item() == 15.0 and GLOBAL_SCALE.grad.item() == 3.0
+    assert f.cache_info()["traces"] == 1  # same signature: a new tensor is a new input, not a new plan
+
+
+GLOBAL_SCALE = torch.tensor(1.0, dtype=D)
 
 
 def test_changing_a_captured_number_or_module_setting_retraces() -> None:

@@ -1,0 +1,262 @@
+"""Reliability: threads, bounded caches, pickling, globals, exceptions and lifetimes behave
+as plain PyTorch does. The oracle is the same code without remat."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import gc
+import io
+import pickle
+import threading
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.fx._symbolic_trace import is_fx_tracing
+
+from remat import (
+    RematError,
+    RematRetraceWarning,
+    RematStateWarning,
+    RematTraceError,
+    checkpoint_layers,
+    clear_cache,
+    remat,
+)
+from remat import policies as P
+
+from conftest import assert_close
+
+D = torch.float64
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.distributed.reduce_op` is deprecated:FutureWarning")
+
+
+def block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x @ w).tanh() @ w.t()
+
+
+def _global_state() -> tuple[Any, ...]:
+    return (
+        torch.is_grad_enabled(),
+        is_fx_tracing(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch._C._functorch.peek_interpreter_stack() is None,
+        torch.get_rng_state(),
+    )
+
+
+def _same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return a[:-1] == b[:-1] and torch.equal(a[-1], b[-1])
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 2**20
+
+
+class _Failing(Exception):
+    """An exception the user's own code raises."""
+
+
+def test_many_threads_many_shapes_and_exceptions() -> None:
+    """8 threads call fresh wrappers of one function (first calls concurrent), over 6
+    shapes, some calls raising in forward and some in backward; every result equals
+    eager, the module's parameters stay themselves, and memory and torch's global state
+    return to where they were. (The workers hold the parameters themselves: while a trace
+    runs, the module's attributes are stand-ins; see the README.)"""
+    layer = torch.nn.Linear(6, 6, dtype=D)
+    parameters = {name: p for name, p in layer.named_parameters()}
+    weight, bias = layer.weight, layer.bias
+    fails = torch.zeros((), dtype=D)  # a closed-over tensor the function branches on only through data
+
+    def fn(x: torch.Tensor, fail: str) -> torch.Tensor:
+        if fail == "forward":
+            raise _Failing("raised in forward")
+        y = F.gelu(layer(x)) * (1 + fails)
+        if fail == "backward":
+            y = y + _raises_in_backward_op(y) * 0
+        return y.pow(2).sum()
+
+    def eager(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = x.detach().requires_grad_()
+        out = F.gelu(layer(x)).pow(2).sum()
+        return (out.detach(), *torch.autograd.grad(out, [x, layer.weight, layer.bias]))
+
+    shapes = [(n, 6) for n in (1, 2, 3, 5, 8, 13)]
+    inputs = {shape: torch.randn(shape, dtype=D) for shape in shapes}
+    expected = {shape: eager(x) for shape, x in inputs.items()}
+    state, live, rss = _global_state(), _live_tensors(), _rss_mib()
+    errors: list[BaseException] = []
+    mismatches: list[str] = []
+    start = threading.Barrier(8)
+
+    def worker(seed: int) -> None:
+        start.wait()  # every first call at once
+        for i in range(30):
+            shape = shapes[(seed + i) % len(shapes)]
+            fail = ("forward", "backward", "none", "none", "none")[(seed * 7 + i) % 5]
+            wrapped = remat(fn, policy=(P.dots_saveable, P.nothing_saveable)[i % 2], static_argnums=1)
+            x = inputs[shape].detach().requires_grad_()
+            try:
+                out = wrapped(x, fail)
+                grads = torch.autograd.grad(out, [x, weight, bias])
+            except _Failing as error:
+                assert fail != "none", error
+                continue
+            except BaseException as error:  # noqa: BLE001 - reported below
+                errors.append(error)
+                continue
+            try:
+                assert_close((out.detach(), *grads), expected[shape])
+            except AssertionError as error:
+                mismatches.append(f"{shape} {fail}: {error}")
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert not mismatches, mismatches[:3]
+    assert dict(layer.named_parameters()) == parameters  # the very same objects
+    assert _same_state(_global_state(), state)
+    del threads
+    clear_cache(fn)
+    leftover = [type(o).__name__ for o in gc.get_objects() if isinstance(o, torch.Tensor)]
+    assert _live_tensors() <= live + 10, collections.Counter(leftover).most_common(5)
+    assert _rss_mib() < rss + 200
+
+
+@torch.library.custom_op("remat_reliability::raises_in_backward", mutates_args=())
+def _raises_in_backward_op(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@_raises_in_backward_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _backward_raises(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    raise _Failing("raised in backward")
+
+
+_raises_in_backward_op.register_autograd(_backward_raises)
+
+
+def test_an_exception_in_backward_leaves_everything_usable() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return (_raises_in_backward_op(x) * x).sum()
+
+    x = torch.randn(4, dtype=D, requires_grad=True)
+    state = _global_state()
+    for f in (fn, remat(fn)):
+        with pytest.raises(_Failing, match="raised in backward"):
+            f(x).backward()
+    assert _same_state(_global_state(), state)
+    assert_close(torch.autograd.grad(remat(block)(x[None], torch.eye(4, dtype=D)).sum(), x)[0].shape, torch.Size([4]))
+
+
+def test_the_plan_cache_is_bounded_and_retracing_warns_naming_what_changed() -> None:
+    clear_cache(block)  # plans are per function: other tests' calls of `block` share them
+    f = remat(block, cache_size=4)
+    w = torch.randn(3, 3, dtype=D, requires_grad=True)
+    with pytest.warns(RematRetraceWarning, match=r"traced 8 times.*argument x: float64\[7, 3\].* -> float64\[8, 3\]"):
+        for n in range(1, 9):
+            f(torch.randn(n, 3, dtype=D), w).sum().backward()
+    assert f.cache_info() == {"hits": 0, "traces": 8, "size": 4, "maxsize": 4}
+    f(torch.randn(8, 3, dtype=D), w)  # among the 4 most recent: a hit
+    f(torch.randn(1, 3, dtype=D), w)  # evicted: traced again
+    assert f.cache_info()["hits"] == 1 and f.cache_info()["traces"] == 9
+    clear_cache()
+    assert f.cache_info()["size"] == 0
+    with pytest.raises(ValueError, match="cache_size"):
+        remat(block, cache_size=0)
+
+
+def test_pickling_a_model_prepared_with_checkpoint_layers_after_a_call() -> None:
+    model = torch.nn.Sequential(*(torch.nn.Linear(4, 4, dtype=D) for _ in range(3)))
+    checkpoint_layers(model, P.dots_saveable)
+    x = torch.randn(2, 4, dtype=D)
+    model(x).sum().backward()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded[0].forward.cache_info()["traces"] == 0  # plans are a cache: rebuilt on first call
+    assert_close(loaded(x), model(x))
+    loaded(x).sum().backward()
+    assert all(p.grad is not None for p in loaded.parameters())
+    assert_close(copy.deepcopy(model)(x), model(x))
+    wrapped = pickle.loads(pickle.dumps(remat(block, policy=P.dots_saveable)))
+    w = torch.randn(4, 4, dtype=D)
+    assert_close(wrapped(x, w), block(x, w))
+
+
+def test_user_exceptions_come_out_unchanged_with_a_note() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("the user's message")
+
+    with pytest.raises(ValueError, match="the user's message") as info:
+        remat(fn)(torch.randn(2, requires_grad=True))
+    assert any("remat traced `" in note for note in getattr(info.value, "__notes__", []))
+    with pytest.raises(TypeError, match="missing 1 required positional argument"):
+        remat(block)(torch.randn(2, 2, requires_grad=True))
+    with pytest.raises(TypeError, match="argument n is a list"):
+        remat(lambda x, n: x * len(n), static_argnums=1)(torch.randn(2, requires_grad=True), [1, 2])
+    assert issubclass(RematTraceError, RematError)
+
+
+def test_kept_values_are_freed_with_their_graph() -> None:
+    """No backward ever runs: what autograd keeps dies with the outputs, as in eager."""
+    f = remat(lambda x: x.exp().sin().cos(), policy=P.everything_saveable)
+    x = torch.randn(50, dtype=D, requires_grad=True)
+    for _ in range(2):
+        out = f(x)
+        # storages' weak references (a private torch API, torch 2.13): a tensor's Python
+        # object is rebuilt on every access, its storage is what autograd holds
+        kept = [t.untyped_storage()._weak_ref() for t in out.grad_fn.saved_tensors if t.data_ptr() != x.data_ptr()]
+        assert kept
+        del out
+        gc.collect()
+        assert all(torch.UntypedStorage._expired(weak) for weak in kept)
+
+
+def test_torch_autograd_grad_inside_a_region() -> None:
+    """A gradient penalty: the region differentiates inside, remat differentiates that."""
+    def penalty(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(x @ w).pow(3).sum()
+        (g,) = torch.autograd.grad(y, x, create_graph=True)
+        return g.pow(2).sum()
+
+    x, w = torch.randn(3, 4, dtype=D, requires_grad=True), torch.randn(4, 4, dtype=D, requires_grad=True)
+    for policy in (None, P.everything_saveable, P.dots_saveable):
+        actual = remat(penalty, policy=policy)(x, w)
+        assert_close((actual, *torch.autograd.grad(actual, (x, w))), (e := penalty(x, w), *torch.autograd.grad(e, (x, w))))
+
+
+def test_updating_a_nonlocal_does_not_retrace_and_says_so() -> None:
+    def make() -> Callable[[torch.Tensor], torch.Tensor]:
+        calls = 0
+
+        def counted(x: torch.Tensor) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            return x.sin()
+
+        return counted
+
+    with pytest.warns(RematStateWarning, match="assigns `calls`"):
+        f = remat(make())
+        x = torch.randn(3, dtype=D, requires_grad=True)
+        for _ in range(10):
+            f(x)
+    assert f.cache_info()["traces"] == 1
