@@ -609,7 +609,8 @@ def measure_workload(name: str, size: Size, device: torch.device, args: argparse
     variants = build_variants(wl.block, with_torch_remat)
     log(f"{name}: {wl.description}; {size.layers} layers, d_model {size.d_model}, seq {size.seq}, batch {size.batch}, {size.dtype}")
     reference = [g.detach().clone() for g in step(wl.block, wl)]
-    gc.freeze()  # what exists now lives to the end: keep it out of every later gc.collect()
+    gc.collect()  # earlier workloads' garbage must not be frozen with what lives on
+    gc.freeze()  # what exists now lives to the end of this workload: keep it out of every later gc.collect()
     rows: dict[str, dict[str, Any]] = {}
     ok: list[Variant] = []
     traces: dict[str, Any] = {}
@@ -632,13 +633,18 @@ def measure_workload(name: str, size: Size, device: torch.device, args: argparse
             row["error"] = f"{type(error).__name__}: {error}"
             row["traceback"] = traceback.format_exc()
             log(f"{name}: {v.name} FAILED: {row['error']}")
+        if row["error"] is not None:
+            # Outside the handler: the exception and its traceback's frames (holding the failed
+            # step's tensors) are gone now, so their memory can go back before the next variant.
+            gc.collect()
             if device.type == "cuda":
-                torch.cuda.empty_cache()  # e.g. after an out-of-memory, give the next variant a clean pool
+                torch.cuda.empty_cache()
             continue
         log(
             f"{name}: {v.name}: grads {'ok' if row['grad_check']['ok'] else 'MISMATCH'} "
             f"(max rel err {row['grad_check']['max_rel_err']:.1e}), kept {row['kept_bytes'] / 2**10:.1f} KiB"
         )
+    gc.collect()  # garbage first: gc.freeze() would keep cyclic garbage (and its GPU tensors) forever
     gc.freeze()  # remat's traced plans too
     times = timing_rounds(ok, wl, device, args.warmup, args.repeats, args.clock)
     for v in ok:
@@ -651,6 +657,8 @@ def measure_workload(name: str, size: Size, device: torch.device, args: argparse
         row["step_ms"] = row[f"{args.clock}_ms"]
         row["step_ms_min"] = min(row["step_ms_all"])
     derive_ratios(rows)
+    gc.unfreeze()  # this workload's model, plans and any garbage become collectable again
+    gc.collect()
     return {
         "description": wl.description,
         "block_function": wl.block.__name__,

@@ -213,6 +213,12 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     text = Text(DATA, args.device)
+    longest = min(len(text.train), len(text.val)) - 2
+    if args.seq > longest:
+        parser.error(
+            f"--seq {args.seq} is longer than the text allows: {DATA.name} has {len(text.train)} training and "
+            f"{len(text.val)} validation characters, so windows of at most {longest} fit. Use --seq {longest} or less."
+        )
     chosen = every_kth(args.policy, args.every, args.layers)
     print(f"{len(text.ids)} characters, vocabulary {len(text.chars)}; {args.layers} blocks, "
           f"d_model {args.d_model}, seq {args.seq}, batch {args.batch}, device {args.device}")
