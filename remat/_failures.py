@@ -141,7 +141,8 @@ def _is_tracing_limit(error: BaseException) -> bool:
     """Whether torch raised `error` because the tensors are fakes (no data, no kernel)."""
     fake_errors = (UnsupportedFakeTensorException, UnsupportedOperatorException)
     return isinstance(error, fake_errors) or any(
-        text in str(error) for text in ("FakeTensor", "data pointer", "meta tensor", "Meta tensor")
+        text in str(error)
+        for text in ("FakeTensor", "data pointer", "meta tensor", "Meta tensor", "data is not allocated")
     )
 
 

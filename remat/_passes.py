@@ -155,16 +155,8 @@ def shape_only_factories(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) 
         fill = _SHAPE_ONLY.get(node.target)  # type: ignore[call-overload]
         if fill is None:
             continue
-        val = node.meta["val"]
         with graph.inserting_before(node):
-            empty = graph.call_function(
-                _aten.empty_strided.default,
-                (list(val.shape), list(val.stride())),
-                {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
-            )
-            new = graph.call_function(_aten.fill.Scalar, (empty, fill))
-        empty.meta = {**node.meta}
-        new.meta = dict(node.meta)
+            new = _filled(graph, node, fill, node.meta["val"].dtype)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
 
@@ -180,21 +172,34 @@ def index_fill_as_where(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -
         target, dim, index, value = node.args[:4]
         val = node.meta["val"]
         with graph.inserting_before(node):
-            empty = graph.call_function(
-                _aten.empty_strided.default,
-                (list(val.shape), list(val.stride())),
-                {"dtype": torch.bool, "layout": torch.strided, "device": val.device, "pin_memory": False},
-            )
-            nothing = graph.call_function(_aten.fill.Scalar, (empty, False))
+            nothing = _filled(graph, node, False, torch.bool)
             mask = graph.call_function(_aten.index_fill.int_Scalar, (nothing, dim, index, True))
             cast = graph.call_function(_aten._to_copy.default, (value,), {"dtype": val.dtype})
             where = graph.call_function(_aten.where.self, (mask, cast, target))
-        boolean = val.new_empty_strided(val.shape, val.stride(), dtype=torch.bool)
-        empty.meta = nothing.meta = mask.meta = {**node.meta, "val": boolean}
+        mask.meta = dict(nothing.meta)
         cast.meta = {**node.meta, "val": value.meta["val"].to(val.dtype)}  # type: ignore[union-attr]
         where.meta = dict(node.meta)
         node.replace_all_uses_with(where)
         graph.erase_node(node)
+
+
+def _empty_like_traced(graph: torch.fx.Graph, like: torch.fx.Node, dtype: torch.dtype) -> torch.fx.Node:
+    """A new `empty_strided` node with `like`'s traced shape, strides and device."""
+    val = like.meta["val"]
+    empty = graph.call_function(
+        _aten.empty_strided.default,
+        (list(val.shape), list(val.stride())),
+        {"dtype": dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
+    )
+    empty.meta = {**like.meta, "val": val.new_empty_strided(val.shape, val.stride(), dtype=dtype)}
+    return empty
+
+
+def _filled(graph: torch.fx.Graph, like: torch.fx.Node, value: Any, dtype: torch.dtype) -> torch.fx.Node:
+    """New nodes making a tensor laid out as `like` was traced, filled with `value`."""
+    filled = graph.call_function(_aten.fill.Scalar, (_empty_like_traced(graph, like, dtype), value))
+    filled.meta = dict(filled.args[0].meta)  # type: ignore[union-attr]
+    return filled
 
 
 def drop_saved_value_detaches(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
@@ -215,16 +220,10 @@ def read_mutated_inputs_from_copies(graph: torch.fx.Graph, mutated: Sequence[tor
     copies = set()
     anchor = [n for n in graph.nodes if n.op == "placeholder"][-1]
     for placeholder in mutated:
-        val = placeholder.meta["val"]
         with graph.inserting_after(anchor):  # a copy with the input's very strides: later views stay as traced
-            empty = graph.call_function(
-                _aten.empty_strided.default,
-                (list(val.shape), list(val.stride())),
-                {"dtype": val.dtype, "layout": torch.strided, "device": val.device, "pin_memory": False},
-            )
+            empty = _empty_like_traced(graph, placeholder, placeholder.meta["val"].dtype)
         with graph.inserting_after(empty):
             copy = graph.call_function(_aten.copy.default, (empty, placeholder))
-        empty.meta = {"val": val.new_empty_strided(val.shape, val.stride())}
         copy.meta = {**placeholder.meta, "val": empty.meta["val"]}
         placeholder.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)  # type: ignore[misc]
         copies.add(copy)
