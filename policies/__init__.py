@@ -30,6 +30,7 @@ from ._ops import (
     GROUPS,
     OpLike,
     describe_group,
+    has_batch_dims,
     op_key,
     op_keys,
 )
@@ -170,9 +171,17 @@ def save_ops(*ops: OpLike | frozenset[str]) -> SaveOps:
 dots_saveable = SaveOps(DOTS, "dots_saveable")
 checkpoint_dots = dots_saveable
 
+@dataclass(frozen=True, repr=False)
+class _DotsWithoutBatchDims(SaveOps):
+    """Keeps dots judged by their real batch dimensions (a `bmm` of a batch of one has none)."""
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        return op_key(op) in DOTS and not has_batch_dims(op, args)
+
+
 # Keep only dots without batch dims (weights times activations), recompute batched ones
 # such as attention scores, which grow with sequence length squared.
-dots_with_no_batch_dims_saveable = SaveOps(DOTS_NO_BATCH, "dots_with_no_batch_dims_saveable")
+dots_with_no_batch_dims_saveable = _DotsWithoutBatchDims(DOTS_NO_BATCH, "dots_with_no_batch_dims_saveable")
 checkpoint_dots_with_no_batch_dims = dots_with_no_batch_dims_saveable
 
 # The common large-model recipe: keep matmul and fused-attention outputs, recompute the

@@ -46,6 +46,21 @@ DOTS_BATCHED: frozenset[str] = op_keys(["aten::bmm", "aten::baddbmm", "aten::add
 
 DOTS: frozenset[str] = DOTS_NO_BATCH | DOTS_BATCHED
 
+# Where each batched dot's batch size sits: (argument index, dimension).
+_BATCH_SIZE_AT = {"aten::bmm": 0, "aten::baddbmm": 1}
+
+
+def has_batch_dims(op: OpLike, args: tuple[Any, ...]) -> bool:
+    """Whether a dot really has a batch dimension, judged as JAX judges dot_general: a
+    `bmm` with a batch of one (what `einsum('ij,jk->ik')` lowers to) has none."""
+    key = op_key(op)
+    if key in DOTS_NO_BATCH:
+        return False
+    position = _BATCH_SIZE_AT.get(key)
+    if position is None or len(args) <= position or not hasattr(args[position], "shape"):
+        return key in DOTS_BATCHED
+    return args[position].shape[0] != 1
+
 # Fused attention kernels (what scaled_dot_product_attention lowers to on each backend).
 # Keeping their outputs means attention is not recomputed in backward.
 ATTENTION: frozenset[str] = op_keys(

@@ -59,6 +59,13 @@ class Plan:
             self._layouts_checked.add(id(gm))
         return outputs
 
+    def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run the region: its outputs, the new values of mutated inputs, then kept values."""
+        return RematFunction.apply(self, *inputs)  # type: ignore[no-any-return]
+
+    def plans(self) -> list[Plan]:
+        return [self]
+
     @property
     def n_outputs(self) -> int:
         return self.captured.n_outputs + len(self.captured.mutated)

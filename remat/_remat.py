@@ -5,18 +5,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import optree
 import torch
 
 from ._arguments import Call, positional_names, split_call
 from ._caching import DEFAULT_CACHE_SIZE, MISSING, TRACE_LOCK, PlanCache, clear_cache, plan_cache
-from ._executing import Plan, RematFunction
+from ._chaining import Chain, Runnable, split_at_outputs
+from ._executing import Plan
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
 from ._torch_internals import copy_into, forward_ad_active, nested_gradients
-from ._tracing import capture, differentiate, inside_trace, nested_region
+from ._tracing import Captured, capture, differentiate, inside_trace, nested_region
 
 
 def _normalise_argnums(static_argnums: int | Iterable[int]) -> frozenset[int]:
@@ -163,9 +164,10 @@ class Rematerialized:
                     plans.store(call.key, call.key_labels(), plan, offsets)
         if plan is None:  # nothing needs a gradient: there is nothing to checkpoint
             return self.fn(*args, **kwargs)
-        record(plan)
+        for part in plan.plans():
+            record(part)
         inputs = call.tensors + [call.captured[i] for i in plan.captured.lifted] + plan.captured.by_reference
-        results = RematFunction.apply(plan, *inputs)
+        results = plan.apply(inputs)
         self._apply_mutations(plan, inputs, results)
         return self._rebuild_outputs(plan, results)
 
@@ -173,27 +175,34 @@ class Rematerialized:
         settings = (policy, self.static_argnums, self.static_argnames, self.debug)
         return plan_cache(self.fn, settings, self.region, self.cache_size)
 
-    def _build(self, call: Call, policy: Callable[..., bool] | None) -> Plan | None:
+    def _build(self, call: Call, policy: Callable[..., bool] | None) -> Runnable | None:
         self._traces += 1
         captured = capture(self.fn, self.region, call, policy)
+        warn_unmatched_references(captured.scopes, captured.graph.graph)
+        return self._plan(captured, captured.mutated)
+
+    def _plan(self, captured: Captured, updated: Sequence[int]) -> Runnable | None:
+        """A Plan for the captured graph, or a Chain of plans where outputs feed other
+        outputs. `updated`: the inputs the region updates after its forward."""
         diff_inputs = [i for i, needs in enumerate(captured.input_needs_grad) if needs]
         if not diff_inputs:
             return None
+        halves = split_at_outputs(captured)
+        if halves is not None:
+            first, rest, first_positions = halves
+            return Chain(captured, self._plan(first, updated), self._plan(rest, updated), first_positions)  # type: ignore[arg-type]
         float_outputs = [j for j, differentiable in enumerate(captured.output_differentiable) if differentiable]
         joint = differentiate(captured, diff_inputs, float_outputs)
         n_outputs = captured.n_outputs + len(captured.mutated)
         decide = policy_decider(captured.scopes)
-        warn_unmatched_references(captured.scopes, captured.graph.graph)
-        part = partition(
-            joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=captured.mutated
-        )
+        part = partition(joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=updated)
         plan = Plan(captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region)
         if nested_gradients():
             plan.keep_inputs_for_second_order()
         return plan
 
     @staticmethod
-    def _apply_mutations(plan: Plan, inputs: list[torch.Tensor], results: tuple[torch.Tensor, ...]) -> None:
+    def _apply_mutations(plan: Runnable, inputs: list[torch.Tensor], results: Sequence[torch.Tensor]) -> None:
         """Mutations of inputs happen here, once per call, never in recompute."""
         first = plan.captured.n_outputs
         with torch.no_grad():
@@ -201,7 +210,7 @@ class Rematerialized:
                 copy_into(inputs[index], results[first + k])
 
     @staticmethod
-    def _rebuild_outputs(plan: Plan, results: tuple[torch.Tensor, ...]) -> Any:
+    def _rebuild_outputs(plan: Runnable, results: Sequence[torch.Tensor]) -> Any:
         tensors = iter(results[: plan.captured.n_outputs])
         leaves = [next(tensors) if leaf is None else leaf for leaf in plan.captured.out_static]
         return optree.tree_unflatten(plan.captured.out_spec, leaves)

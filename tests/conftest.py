@@ -64,8 +64,8 @@ def _every_graph_keeps_the_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def checked_build(self: Any, *args: Any, **kwargs: Any) -> Any:
         plan = build(self, *args, **kwargs)
-        if plan is not None:
-            check(plan.captured.graph, plan.part.forward, plan.part.forward_pure, plan.part.backward)
+        for part in plan.plans() if plan is not None else ():
+            check(part.captured.graph, part.part.forward, part.part.forward_pure, part.part.backward)
         return plan
 
     higher_order = _executing.Plan.higher_order

@@ -8,8 +8,10 @@ from typing import Any
 import pytest
 import torch
 
-from remat import checkpoint_name, remat, saved_residuals
+from remat import checkpoint_name, remat, report, saved_residuals
 from remat import policies as P
+
+from conftest import assert_close
 
 D = torch.float64
 
@@ -79,6 +81,24 @@ def test_dots_without_batch_dims_keep_x_at_w_but_not_einsum_scores() -> None:
     every_dot = kept_ops(remat(attn, policy=P.dots_saveable), *args)
     assert no_batch == ["aten::mm", "aten::mm"]  # x[B,T,D] @ W folds B and T into rows
     assert sorted(every_dot) == ["aten::bmm", "aten::mm", "aten::mm"]
+
+
+def test_a_dot_is_judged_by_its_real_batch_dimensions() -> None:
+    """einsum('ij,jk->ik') lowers to a bmm with a batch of one: no batch dimension, as JAX
+    judges its dot_general, so it is kept and backward recomputes no matmul."""
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.einsum("ij,jk->ik", a, b)).sum()
+
+    args = (_leaf(3, 4), _leaf(4, 5))
+    policy = P.dots_with_no_batch_dims_saveable
+    assert kept_ops(remat(f, policy=policy), *args) == ["aten::bmm"]
+    recomputed = [str(r.op) for r in report(remat(f, policy=policy), *args).recomputes]
+    assert not [op for op in recomputed if "mm" in op]
+    assert_close(torch.autograd.grad(remat(f, policy=policy)(*args), args), torch.autograd.grad(f(*args), args))
+    meta = lambda *shape: torch.empty(shape, device="meta")  # noqa: E731
+    assert policy(torch.ops.aten.bmm.default, meta(1, 3, 4), meta(1, 4, 5))
+    assert not policy(torch.ops.aten.bmm.default, meta(2, 3, 4), meta(2, 4, 5))
+    assert not policy(torch.ops.aten.baddbmm.default, meta(2, 3, 5), meta(2, 3, 4), meta(2, 4, 5))
 
 
 def _named(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

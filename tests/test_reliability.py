@@ -24,6 +24,7 @@ from remat import (
     checkpoint_layers,
     clear_cache,
     remat,
+    saved_residuals,
 )
 from remat import policies as P
 
@@ -260,3 +261,83 @@ def test_updating_a_nonlocal_does_not_retrace_and_says_so() -> None:
         for _ in range(10):
             f(x)
     assert f.cache_info()["traces"] == 1
+
+
+def _aux_outputs(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Outputs computed from other outputs: a view, a chain of two, a shared intermediate."""
+    h = F.layer_norm(x, x.shape[-1:])
+    y1 = torch.tanh(h @ w)
+    y2 = y1.sin() * h  # h is read by both parts
+    return y1, y2, (y2.cos() @ w).sum(-1), y1.t()
+
+
+@pytest.mark.parametrize("policy", [None, P.everything_saveable, P.dots_saveable], ids=["none", "everything", "dots"])
+def test_an_output_differentiated_with_respect_to_another(policy: Any) -> None:
+    """torch.autograd.grad(z, y) where z is computed from y and both come out of the region."""
+    x, w = torch.randn(3, 4, dtype=D, requires_grad=True), torch.randn(4, 4, dtype=D, requires_grad=True)
+
+    def gradients(f: Callable[..., Any]) -> list[torch.Tensor]:
+        y1, y2, z, y1t = f(x, w)
+        found = list(torch.autograd.grad(z.sum() + y1t.pow(2).sum(), (y1, y2, x, w), retain_graph=True))
+        found += torch.autograd.grad(y2.sum(), (y1, x))
+        return found
+
+    assert_close(gradients(remat(_aux_outputs, policy=policy)), gradients(_aux_outputs))
+    cotangents = [torch.randn_like(t) for t in _aux_outputs(x, w)]
+    assert_close(
+        torch.func.vjp(remat(_aux_outputs, policy=policy), x, w)[1](tuple(cotangents)),
+        torch.func.vjp(_aux_outputs, x, w)[1](tuple(cotangents)),
+    )
+
+    def loss(f: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+        return lambda x, w: sum(t.sum() * (k + 1) for k, t in enumerate(f(x, w)))
+
+    per_sample = torch.func.vmap(torch.func.grad(loss(remat(_aux_outputs, policy=policy)), argnums=1), in_dims=(0, None))
+    expected = torch.func.vmap(torch.func.grad(loss(_aux_outputs), argnums=1), in_dims=(0, None))
+    assert_close(per_sample(x.detach().unsqueeze(1), w), expected(x.detach().unsqueeze(1), w))
+
+
+def test_outputs_feeding_outputs_with_dropout_and_running_statistics() -> None:
+    """Each draw once and in eager's order, running statistics updated once."""
+    def f(x: torch.Tensor, w: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = F.dropout(F.batch_norm(x, mean, var, training=True) @ w, 0.5)
+        return y, F.dropout(y.tanh(), 0.3)
+
+    x, w = torch.randn(6, 4, dtype=D, requires_grad=True), torch.randn(4, 4, dtype=D, requires_grad=True)
+    results = []
+    for g in (f, remat(f, policy=P.dots_saveable)):
+        stats = (torch.zeros(4, dtype=D), torch.ones(4, dtype=D))
+        torch.manual_seed(0)
+        y, z = g(x, w, *stats)
+        results.append([y, z, *torch.autograd.grad(z.sum(), (y, x, w)), *stats, torch.rand(3)])
+    assert_close(results[1], results[0])
+
+
+def test_a_kept_output_is_reported_by_the_part_that_keeps_it() -> None:
+    """Under nothing_saveable the rest keeps `y` (its backward needs it), and says so."""
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x.exp()
+        return y, y.sin()
+
+    kept = saved_residuals(remat(f, policy=P.nothing_saveable), torch.randn(5, dtype=D))
+    assert sorted(r.source or "" for r in kept if r.kind == "input") == ["output 0 of the region", "x"]
+
+
+def test_outputs_whose_split_would_reorder_random_draws_stay_one_region() -> None:
+    """A draw for `z` comes before the draw for `y`: splitting would swap them. The region
+    stays whole and exact; only `grad(z, y)` is unavailable, with torch's own error."""
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask_for_z = F.dropout(x, 0.5)
+        y = F.dropout(x.sin(), 0.5)
+        return y, (y * mask_for_z).sum()
+
+    x = torch.randn(8, dtype=D, requires_grad=True)
+    results = []
+    for g in (f, remat(f)):
+        torch.manual_seed(0)
+        y, z = g(x)
+        results.append([y, z, *torch.autograd.grad(z, x), torch.rand(3)])
+    assert_close(results[1], results[0])
+    y, z = remat(f)(x)
+    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
+        torch.autograd.grad(z, y)
