@@ -64,21 +64,26 @@ _MISSING = object()
 NO_REMAT = "no remat"
 
 
-def checkpoint_layers(layers: torch.nn.ModuleList | Sequence[torch.nn.Module], spec: PolicySpec) -> list[Any]:
+def checkpoint_layers(
+    layers: torch.nn.ModuleList | Sequence[torch.nn.Module], spec: PolicySpec, prefix: str | None = None
+) -> list[Any]:
     """Rematerialize each module of a stack with its own policy, in place.
 
     Each layer's `forward` is replaced by `remat(forward, policy=...)`, so the model's own
     loop (`for block in self.blocks: x = block(x)`) needs no change. Returns the schedule.
-    Names for a mapping `spec` are the layers' indices ("0", "1", ...).
+    Names for a mapping `spec` are the layers' indices ("0", "1", ...). Reports name each
+    region by its place: `prefix.3` (give the stack's path in the model, e.g.
+    `prefix="model.layers"`), else `Block[3]`, so layers' totals stay apart.
     """
     modules = list(layers)
     schedule = policy_schedule(spec, len(modules))
-    for module, policy in zip(modules, schedule):
+    for index, (module, policy) in enumerate(zip(modules, schedule)):
+        name = f"{prefix}.{index}" if prefix else f"{type(module).__qualname__}[{index}]"
         original = module.__dict__.get("_remat_original_forward", module.forward)
         module.__dict__["_remat_original_forward"] = original
         if isinstance(policy, str) and policy == NO_REMAT:
             module.forward = original  # type: ignore[method-assign]
         else:
-            module.forward = remat(original, policy=policy)  # type: ignore[method-assign]
+            module.forward = remat(original, policy=policy, name=name)  # type: ignore[method-assign]
     return schedule
 

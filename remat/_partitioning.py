@@ -118,6 +118,7 @@ def partition(
     forward_nodes |= {u for n in forward_nodes if is_tuple(n) for u in n.users}
     backward_nodes = _ancestors(grads, set(placeholders)) - forward_nodes
     shape_only_factories(graph, [n for n in graph.nodes if n in backward_nodes])
+    shape_only_factories(graph, [n for n in graph.nodes if n in forward_nodes], readers=backward_nodes)
     drop_saved_value_detaches(graph, [n for n in graph.nodes if n in backward_nodes])
     index_fill_as_where(graph, [n for n in graph.nodes if n in backward_nodes])
     backward_nodes = _ancestors(grads := list(output.args[0][n_outputs:]), set(placeholders)) - forward_nodes

@@ -147,18 +147,25 @@ _SHAPE_ONLY = {
 }
 
 
-def shape_only_factories(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:
+def shape_only_factories(
+    graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node], readers: set[torch.fx.Node] | None = None
+) -> None:
     """`zeros_like(x)` in backward would keep `x` alive for its shape: build the same
     tensor (shape, dtype, strides as traced) from constants instead. Out of place, so an
-    unbatched factory meets batched values only in ops that broadcast (vmap-safe)."""
+    unbatched factory meets batched values only in ops that broadcast (vmap-safe).
+    With `readers`, only those read the new tensor (a forward factory that backward reads
+    is then made again in backward, instead of keeping `x` or the factory's output)."""
     for node in nodes:
         fill = _SHAPE_ONLY.get(node.target)  # type: ignore[call-overload]
-        if fill is None:
+        if fill is None or (readers is not None and not any(user in readers for user in node.users)):
             continue
         with graph.inserting_before(node):
             new = _filled(graph, node, fill, node.meta["val"].dtype)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
+        if readers is None:
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+        else:
+            node.replace_all_uses_with(new, delete_user_cb=readers.__contains__)
 
 
 def index_fill_as_where(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:

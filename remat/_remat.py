@@ -83,6 +83,7 @@ class Rematerialized:
         static_argnames: str | Iterable[str],
         debug: bool = False,
         cache_size: int = DEFAULT_CACHE_SIZE,
+        name: str | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"remat: expected a function or nn.Module to wrap, got {fn!r}")
@@ -106,7 +107,9 @@ class Rematerialized:
         if not isinstance(cache_size, int) or cache_size < 1:
             raise ValueError(f"remat: cache_size must be a positive int (plans kept per function), got {cache_size!r}")
         self.cache_size = cache_size
-        self.region = region_name(fn)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise TypeError(f"remat: name must be a non-empty string (the region's name in reports), got {name!r}")
+        self.region = name or region_name(fn)
         self._names = positional_names(fn)
         self._plans = self._plans_for(policy)
         self._hits = 0
@@ -172,7 +175,7 @@ class Rematerialized:
         return self._rebuild_outputs(plan, results)
 
     def _plans_for(self, policy: Callable[..., bool] | None) -> PlanCache:
-        settings = (policy, self.static_argnums, self.static_argnames, self.debug)
+        settings = (policy, self.static_argnums, self.static_argnames, self.debug, self.region)
         return plan_cache(self.fn, settings, self.region, self.cache_size)
 
     def _build(self, call: Call, policy: Callable[..., bool] | None) -> Runnable | None:
@@ -224,6 +227,7 @@ def remat(
     static_argnames: str | Iterable[str] = (),
     debug: bool = False,
     cache_size: int = DEFAULT_CACHE_SIZE,
+    name: str | None = None,
 ) -> Any:
     """Rematerialize `fn`: keep only what `policy` allows for backward, recompute the rest.
 
@@ -251,13 +255,16 @@ def remat(
     Plans are cached per function and policy, at most `cache_size` of them (least recently
     used first out); `remat.clear_cache()` drops them, and a function that keeps tracing
     gets a `RematRetraceWarning` saying what changed between its traces.
+
+    `name` names the region in reports and errors (default: the function's qualified name);
+    `checkpoint_layers` names each layer by its place in the stack.
     """
     if fn is None:
         return functools.partial(
             remat, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames, debug=debug,
-            cache_size=cache_size,
+            cache_size=cache_size, name=name,
         )
-    wrapped = Rematerialized(fn, policy, static_argnums, static_argnames, debug, cache_size)
+    wrapped = Rematerialized(fn, policy, static_argnums, static_argnames, debug, cache_size, name)
     return RematerializedModule(fn, wrapped) if isinstance(fn, torch.nn.Module) else wrapped
 
 

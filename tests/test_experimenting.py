@@ -134,6 +134,33 @@ def test_checkpoint_layers_gives_each_layer_its_policy() -> None:
     assert model[0].forward == model[0].__dict__["_remat_original_forward"]
 
 
+def test_reports_name_each_layer_by_its_place_and_keep_their_totals_apart() -> None:
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            layers = (torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()) for _ in range(3))
+            self.blocks = torch.nn.ModuleList(layers).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model = Stack()
+    x = torch.randn(2, 6, dtype=D, requires_grad=True)
+    expected = model(x)
+    checkpoint_layers(model.blocks, [P.dots_saveable, P.nothing_saveable, P.everything_saveable], prefix="blocks")
+    assert_close(model(x), expected)
+    totals = report(lambda x: model(x).sum(), x).by_region()
+    assert list(totals) == ["blocks.0", "blocks.1", "blocks.2"]
+    kept = [bytes_kept for bytes_kept, _ in totals.values()]
+    assert kept[0] > kept[1] and kept[2] > kept[1]  # each layer's own policy, not one row for all
+    checkpoint_layers(model.blocks, P.dots_saveable)
+    assert list(report(lambda x: model(x).sum(), x).by_region()) == ["Sequential[0]", "Sequential[1]", "Sequential[2]"]
+    with pytest.raises(TypeError, match="name must be a non-empty string"):
+        remat(block, name="")
+
+
 def _ops_kept(policy: Any) -> list[str]:
     x = X.clone().requires_grad_()
     return sorted(P.op_key(r.op) for r in saved_residuals(remat(block, policy=policy), x, _params(1)[0]) if r.kind == "intermediate")

@@ -153,3 +153,17 @@ def test_checkpoint_name_is_identity_outside_remat_and_under_vmap() -> None:
     torch.testing.assert_close(g, torch.full_like(x, 3.0))
     with pytest.raises(TypeError, match="non-empty string"):
         checkpoint_name(x, "")
+
+
+@pytest.mark.parametrize("policy", [P.nothing_saveable, P.everything_saveable], ids=["nothing", "everything"])
+def test_a_factory_backward_reads_keeps_nothing(policy: Any) -> None:
+    """`zeros_like(x) * x`: backward reads only the zeros, which it makes again from the
+    traced shape, so nothing is kept (JAX keeps nothing either); gradients as without remat."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (torch.zeros_like(x) * x + torch.ones_like(x) * 2).sum()
+
+    x = _leaf(3, 4)
+    assert saved_residuals(remat(f, policy=policy), x) == []
+    assert_close(torch.autograd.grad(remat(f, policy=policy)(x), x), torch.autograd.grad(f(x), x))
+    per_sample = torch.func.vmap(torch.func.grad(remat(f, policy=policy)))(x.detach())
+    assert_close(per_sample, torch.func.vmap(torch.func.grad(f))(x.detach()))
