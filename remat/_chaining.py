@@ -60,13 +60,14 @@ def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[int]]
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
     n_mutated = len(captured.mutated)
+    live = _ancestors(outs, stop=set())  # what the outputs are computed from (not a dead detach)
     cuts = {
         outs[j]
         for j in range(captured.n_outputs)
         if isinstance(outs[j], torch.fx.Node)
         and outs[j].op != "placeholder"
         and captured.output_differentiable[j]
-        and any(user is not output for user in outs[j].users)
+        and any(user is not output and user in live for user in outs[j].users)
     }
     if not cuts:
         return None
@@ -117,11 +118,13 @@ def _ancestors(roots: Iterable[Any], stop: set[torch.fx.Node]) -> set[torch.fx.N
 
 def _random_draws_keep_their_order(graph: torch.fx.Graph, first: set[torch.fx.Node], rest: set[torch.fx.Node]) -> bool:
     """Whether running first, then rest draws random numbers as the whole region does:
-    no random op in both, and every draw of first before every draw of rest."""
+    each draw in exactly one part (an unread one in neither would be lost), and every
+    draw of first before every draw of rest."""
     draws = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem and is_random(n)]
-    parts = ["first" if n in first else "rest" for n in draws if n in first or n in rest]
-    both = any(n in first and n in rest for n in draws)
-    return not both and parts == sorted(parts)  # "first" < "rest"
+    if any((n in first) == (n in rest) for n in draws):
+        return False
+    parts = ["first" if n in first else "rest" for n in draws]
+    return parts == sorted(parts)  # "first" < "rest"
 
 
 def _subgraph(

@@ -341,3 +341,29 @@ def test_outputs_whose_split_would_reorder_random_draws_stay_one_region() -> Non
     y, z = remat(f)(x)
     with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
         torch.autograd.grad(z, y)
+
+
+def test_a_region_whose_outputs_do_not_feed_each_other_is_one_autograd_node() -> None:
+    """Only outputs that others are computed from split a region (autograd saving an
+    output makes a dead `detach` of it in the trace, which does not count)."""
+    x, w = torch.randn(3, 4, dtype=D, requires_grad=True), torch.randn(4, 4, dtype=D, requires_grad=True)
+    for f in (lambda x, w: torch.tanh(x @ w), lambda x, w: (torch.tanh(x @ w), torch.sigmoid(x @ w))):
+        wrapped = remat(f)
+        out = wrapped(x, w)
+        assert len({t.grad_fn for t in (out if isinstance(out, tuple) else (out,))}) == 1
+        assert [type(plan).__name__ for plan in wrapped._plans.plans.values()] == ["Plan"]  # not a Chain
+
+
+def test_an_unread_draw_keeps_a_region_whole() -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.rand(4)  # drawn, never read: eager still moves the stream
+        y = x.exp()
+        return y, y.sin()
+
+    x = torch.randn(4, dtype=D, requires_grad=True)
+    results = []
+    for g in (f, remat(f)):
+        torch.manual_seed(0)
+        y, z = g(x)
+        results.append([y, z, *torch.autograd.grad(z.sum(), x), torch.rand(3)])
+    assert_close(results[1], results[0])
