@@ -29,6 +29,16 @@ def _keep_tanh(op: Any, *args: Any, **kwargs: Any) -> bool:
     return P.op_key(op) == "aten::tanh" or kwargs.get("name") == "g"
 
 
+# The built-in policies (and None) by short name: what the model and CUDA tests sweep.
+BUILT_IN_POLICIES: dict[str, Any] = {
+    "none": None,
+    "nothing": P.nothing_saveable,
+    "everything": P.everything_saveable,
+    "dots": P.dots_saveable,
+    "dots_no_batch": P.dots_with_no_batch_dims_saveable,
+    "dots_attention": P.dots_and_attention_saveable,
+}
+
 POLICIES = {
     "default": None,
     "nothing": P.nothing_saveable,

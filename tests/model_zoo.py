@@ -300,10 +300,9 @@ class Expert(nn.Module):
         return self.w2(self.drop(F.silu(self.w1(x)) * self.w3(x)))
 
 
-class TopKMoE(nn.Module):
-    """Token-choice top-2 routing with static shapes: each expert runs on every token and the
-    outputs are combined with a dense (tokens x experts) weight matrix built by scatter from
-    the top-k indices and renormalized router probabilities."""
+class _TokenChoiceRouter(nn.Module):
+    """What token-choice MoEs share: experts and a router that picks `k` experts per token,
+    with their probabilities renormalized."""
 
     def __init__(self, dim: int, hidden: int, experts: int = 3, k: int = 2) -> None:
         super().__init__()
@@ -311,12 +310,22 @@ class TopKMoE(nn.Module):
         self.gate = nn.Linear(dim, experts, bias=False)
         self.experts = nn.ModuleList([Expert(dim, hidden) for _ in range(experts)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(tokens as rows, router probabilities, weights and indices of the chosen experts)."""
+        x = x.reshape(-1, x.shape[-1])
         probs = torch.softmax(self.gate(x), dim=-1)
         weights, chosen = torch.topk(probs, self.k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
+        return x, probs, weights / weights.sum(-1, keepdim=True), chosen
+
+
+class TopKMoE(_TokenChoiceRouter):
+    """Token-choice top-2 routing with static shapes: each expert runs on every token and the
+    outputs are combined with a dense (tokens x experts) weight matrix built by scatter from
+    the top-k indices and renormalized router probabilities."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x, probs, weights, chosen = self.route(x)
         combine = torch.zeros_like(probs).scatter(-1, chosen, weights)  # (tokens, experts), k nonzeros a row
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
@@ -350,22 +359,13 @@ class ExpertChoiceMoE(nn.Module):
         return out.reshape(shape)
 
 
-class MixtralMoE(nn.Module):
+class MixtralMoE(_TokenChoiceRouter):
     """Mixtral's MixtralSparseMoeBlock loop: `torch.where(expert_mask[e])` selects the
     tokens routed to each expert, a data-dependent shape."""
 
-    def __init__(self, dim: int, hidden: int, experts: int = 3, k: int = 2) -> None:
-        super().__init__()
-        self.k = k
-        self.gate = nn.Linear(dim, experts, bias=False)
-        self.experts = nn.ModuleList([Expert(dim, hidden) for _ in range(experts)])
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x = x.reshape(-1, shape[-1])
-        probs = torch.softmax(self.gate(x), dim=-1)
-        weights, chosen = torch.topk(probs, self.k, dim=-1)
-        weights = weights / weights.sum(-1, keepdim=True)
+        x, _, weights, chosen = self.route(x)
         expert_mask = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)  # (experts, k, tokens)
         out = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):

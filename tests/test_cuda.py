@@ -14,21 +14,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from remat import remat
-from remat import policies as P
+
+from conftest import BUILT_IN_POLICIES
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning"),
 ]
 
-POLICIES = {
-    "none": None,
-    "nothing": P.nothing_saveable,
-    "everything": P.everything_saveable,
-    "dots": P.dots_saveable,
-    "dots_no_batch": P.dots_with_no_batch_dims_saveable,
-    "dots_attention": P.dots_and_attention_saveable,
-}
+POLICIES = BUILT_IN_POLICIES
 BACKENDS = {
     "flash": (SDPBackend.FLASH_ATTENTION, torch.bfloat16),
     "efficient": (SDPBackend.EFFICIENT_ATTENTION, torch.float32),

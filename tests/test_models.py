@@ -31,18 +31,11 @@ import remat
 from remat import RematError
 from remat import policies as P
 
-from conftest import assert_close
+from conftest import BUILT_IN_POLICIES, assert_close
 
 pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")  # e.g. dots_and_attention on a conv block
 
-MODEL_POLICIES: dict[str, Any] = {
-    "none": None,
-    "nothing": P.nothing_saveable,
-    "everything": P.everything_saveable,
-    "dots": P.dots_saveable,
-    "dots_no_batch": P.dots_with_no_batch_dims_saveable,
-    "dots_attention": P.dots_and_attention_saveable,
-}
+MODEL_POLICIES = BUILT_IN_POLICIES
 CASES = {case.name: case for case in Z.HF_CASES + Z.OWN_CASES}
 SEED = 1234
 
