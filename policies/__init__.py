@@ -54,6 +54,8 @@ __all__ = [
     "save_anything_except_these_names",
     "save_from_both_policies",
     "save_ops",
+    "memory_budget",
+    "MemoryBudget",
     "keep_outputs_where",
     "output_smaller_than",
     "op_key",
@@ -318,3 +320,37 @@ class _SmallerThan:
 def output_smaller_than(nbytes: int) -> Policy:
     """Keep outputs smaller than `nbytes` (cheap to keep, maybe costly to recompute)."""
     return _OutputPredicate(_SmallerThan(int(nbytes)), f"output_smaller_than({int(nbytes)})")
+
+
+@dataclass(frozen=True, repr=False)
+class MemoryBudget(PolicyBase):
+    """A region's policy that chooses what to keep as a whole (see `memory_budget`)."""
+
+    limit: int | float
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        raise TypeError(
+            f"{self!r} chooses what a whole region keeps, not op by op: give it to remat as the "
+            "region's policy (remat(fn, policy=memory_budget(...))), not inside another policy."
+        )
+
+    def __repr__(self) -> str:
+        return f"memory_budget({self.limit!r})"
+
+
+def memory_budget(limit: int | float) -> MemoryBudget:
+    """Keep what fits in `limit` and recompute the rest, choosing the kept values that leave
+    backward the fewest FLOPs to recompute.
+
+    `limit` is a number of bytes (an int) or a fraction in [0, 1] of what keeping every
+    value would keep (a float). It counts the region's kept intermediates; its inputs are
+    kept anyway. The choice is optimal for up to 12 candidate values and greedy (most FLOPs
+    saved per byte first) beyond; `remat.report` shows what was chosen.
+    """
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+        raise TypeError(f"memory_budget: limit must be bytes (an int) or a fraction (a float), got {limit!r}")
+    if isinstance(limit, float) and not 0.0 <= limit <= 1.0:
+        raise ValueError(f"memory_budget: a fraction must be within [0, 1], got {limit!r}; give bytes as an int")
+    if limit < 0:
+        raise ValueError(f"memory_budget: bytes must be at least 0, got {limit!r}")
+    return MemoryBudget(limit)

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from remat.policies import memory_budget
+
 from ._remat import remat
 
 PolicySpec = Any  # a policy, a list of them, a function of the layer index, or {name pattern: policy}
@@ -65,7 +67,10 @@ NO_REMAT = "no remat"
 
 
 def checkpoint_layers(
-    layers: torch.nn.ModuleList | Sequence[torch.nn.Module], spec: PolicySpec, prefix: str | None = None
+    layers: torch.nn.ModuleList | Sequence[torch.nn.Module],
+    spec: PolicySpec,
+    prefix: str | None = None,
+    budget: int | float | None = None,
 ) -> list[Any]:
     """Rematerialize each module of a stack with its own policy, in place.
 
@@ -74,9 +79,16 @@ def checkpoint_layers(
     Names for a mapping `spec` are the layers' indices ("0", "1", ...). Reports name each
     region by its place: `prefix.3` (give the stack's path in the model, e.g.
     `prefix="model.layers"`), else `Block[3]`, so layers' totals stay apart.
+
+    `budget` (bytes, or a fraction of what keeping everything would keep) is spread evenly
+    over the layers `spec` does not mark "no remat": each gets `memory_budget(its share)`.
     """
     modules = list(layers)
     schedule = policy_schedule(spec, len(modules))
+    if budget is not None:
+        counted = [p for p in schedule if not (isinstance(p, str) and p == NO_REMAT)]
+        share = budget if isinstance(budget, float) else budget // max(len(counted), 1)
+        schedule = [p if isinstance(p, str) and p == NO_REMAT else memory_budget(share) for p in schedule]
     for index, (module, policy) in enumerate(zip(modules, schedule)):
         name = f"{prefix}.{index}" if prefix else f"{type(module).__qualname__}[{index}]"
         original = module.__dict__.get("_remat_original_forward", module.forward)

@@ -18,8 +18,16 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.fx
 
-from remat.policies import describe_group, op_key, references
+from remat.policies import (
+    describe_group,
+    dots_and_attention_saveable,
+    dots_saveable,
+    dots_with_no_batch_dims_saveable,
+    op_key,
+    references,
+)
 
+from ._budget import Budget, choose_within_budget
 from ._costs import flops
 from ._debugging import check_recomputed
 from ._naming import node_name
@@ -34,6 +42,10 @@ from ._randomness import RNG_KEY, capture_rng_state, replay_random, state_shape
 from ._tracing import Scope
 
 Decide = Callable[[torch.fx.Node], bool]
+
+# What a budget's search starts from besides nothing and everything: so it never does
+# worse than one of these built-in policies whose kept values fit the budget.
+BUDGET_SEEDS = (dots_saveable, dots_with_no_batch_dims_saveable, dots_and_attention_saveable)
 
 @dataclass(frozen=True)
 class KeptValue:
@@ -97,6 +109,7 @@ def partition(
     exact: bool = False,
     debug: bool = False,
     mutated: Sequence[int] = (),
+    budget: Budget | None = None,
 ) -> Partition:
     """Split `joint` (inputs, tangents -> outputs, gradients) into forward and backward.
 
@@ -104,6 +117,7 @@ def partition(
     else is kept: used to rebuild a backward for a forward that has already run. With
     `debug`, backward checks every recomputed value against the forward's. Inputs in
     `mutated` are updated after the forward, so backward may only read copies of them.
+    With a `budget`, what its region keeps is chosen to fit it (see _budget.py).
     """
     graph = joint.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -131,26 +145,13 @@ def partition(
             needed.extend(i for i in node.all_input_nodes if i in forward_nodes or i in input_set)
     needed.extend(g for g in grads if isinstance(g, torch.fx.Node) and (g in forward_nodes or g in input_set))
 
-    allowed = {n for n in forward_nodes if decide(n)} if exact else _allowed(graph, forward_nodes, decide) | must_keep
-    saved_inputs: set[torch.fx.Node] = set()
-    residuals: set[torch.fx.Node] = set()
-    recompute: set[torch.fx.Node] = set()
-    stack = list(needed)
-    while stack:
-        node = stack.pop()
-        if node in saved_inputs or node in residuals or node in recompute:
-            continue
-        if node in input_set:
-            saved_inputs.add(node)
-        elif node.op == "get_attr":
-            recompute.add(node)
-        elif exact and node in allowed:
-            residuals.add(node)
-        elif not exact and not is_view(node) and (node in allowed or producer(node) in allowed) and not is_tuple(node):
-            residuals.add(node)
-        else:
-            recompute.add(node)
-            stack.extend(node.all_input_nodes)
+    if exact:
+        allowed = {n for n in forward_nodes if decide(n)}
+    elif budget is not None:
+        allowed = _within_budget(graph, forward_nodes, needed, input_set, decide, budget, must_keep)
+    else:
+        allowed = _allowed(graph, forward_nodes, decide) | must_keep
+    saved_inputs, residuals, recompute = _walk(needed, allowed, input_set, exact)
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     saved_list = sorted(saved_inputs, key=order.__getitem__)
@@ -310,6 +311,67 @@ def _distinct_output(graph: torch.fx.Graph, node: torch.fx.Node, needs_alias: bo
     return alias
 
 
+def _walk(
+    needed: Iterable[torch.fx.Node], allowed: set[torch.fx.Node], input_set: set[torch.fx.Node], exact: bool = False
+) -> tuple[set[torch.fx.Node], set[torch.fx.Node], set[torch.fx.Node]]:
+    """From what backward reads, back to what is kept: (inputs kept, values kept, values
+    recomputed). A value is kept where allowed (never a view: its base is), else recomputed
+    from its own inputs."""
+    saved_inputs: set[torch.fx.Node] = set()
+    residuals: set[torch.fx.Node] = set()
+    recompute: set[torch.fx.Node] = set()
+    stack = list(needed)
+    while stack:
+        node = stack.pop()
+        if node in saved_inputs or node in residuals or node in recompute:
+            continue
+        if node in input_set:
+            saved_inputs.add(node)
+        elif node.op == "get_attr":
+            recompute.add(node)
+        elif exact and node in allowed:
+            residuals.add(node)
+        elif not exact and not is_view(node) and (node in allowed or producer(node) in allowed) and not is_tuple(node):
+            residuals.add(node)
+        else:
+            recompute.add(node)
+            stack.extend(node.all_input_nodes)
+    return saved_inputs, residuals, recompute
+
+
+def _within_budget(
+    graph: torch.fx.Graph,
+    forward_nodes: set[torch.fx.Node],
+    needed: list[torch.fx.Node],
+    input_set: set[torch.fx.Node],
+    decide: Decide,
+    budget: Budget,
+    must_keep: set[torch.fx.Node],
+) -> set[torch.fx.Node]:
+    """What a memory-budget region may keep: the values of its own ops (nested regions
+    decide theirs) whose kept bytes fit the budget with the least recompute FLOPs."""
+    base = _allowed(graph, forward_nodes, lambda n: not budget.governs(n) and decide(n)) | must_keep
+    _, _, recomputed_by_default = _walk(needed, base, input_set)
+    candidates = [
+        producer(n) for n in graph.nodes
+        if n in recomputed_by_default and n.op == "call_function" and budget.governs(n) and not is_view(n)
+    ]
+
+    def cost(chosen: frozenset[torch.fx.Node]) -> tuple[int, int]:
+        _, residuals, recompute = _walk(needed, base | chosen, input_set)
+        kept = sum(_nbytes(r) for r in residuals if r not in must_keep)
+        return kept, sum(flops(n) for n in recompute)
+
+    candidates = list(dict.fromkeys(candidates))
+    seeds = [frozenset(c for c in candidates if ask(policy, c)) for policy in BUDGET_SEEDS]
+    return base | choose_within_budget(candidates, cost, budget, seeds)
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    val = node.meta["val"]
+    return val.numel() * val.dtype.itemsize if isinstance(val, torch.Tensor) else 0
+
+
 def _allowed(graph: torch.fx.Graph, forward_nodes: set[torch.fx.Node], decide: Decide) -> set[torch.fx.Node]:
     """The forward values that may be kept: policy-approved, or the base of an approved view."""
     allowed: set[torch.fx.Node] = set()
@@ -344,23 +406,27 @@ def policy_decider(scopes: Sequence[Scope]) -> Decide:
     data-free meta tensors; insist on a bool. A region without a policy keeps nothing."""
 
     def decide(node: torch.fx.Node) -> bool:
-        policy = scopes[node.meta.get("custom", {}).get(SCOPE_KEY, 0)].policy
-        if policy is None:
-            return False
-        op = node.target
-        args, kwargs = meta_arguments(node)
-        name = node_name(node)
-        if name is not None:
-            kwargs = {**kwargs, "name": name}
-        answer = policy(op, *args, **kwargs)
-        if not isinstance(answer, bool):
-            raise TypeError(
-                f"remat policy {policy!r} returned {answer!r} ({type(answer).__name__}) for op {op}; "
-                "a policy must return True (may keep) or False (recompute)."
-            )
-        return answer
+        return ask(scopes[node.meta.get("custom", {}).get(SCOPE_KEY, 0)].policy, node)
 
     return decide
+
+
+def ask(policy: Callable[..., bool] | None, node: torch.fx.Node) -> bool:
+    """`policy`'s answer for `node`, asked with data-free meta tensors; insist on a bool."""
+    if policy is None:
+        return False
+    op = node.target
+    args, kwargs = meta_arguments(node)
+    name = node_name(node)
+    if name is not None:
+        kwargs = {**kwargs, "name": name}
+    answer = policy(op, *args, **kwargs)
+    if not isinstance(answer, bool):
+        raise TypeError(
+            f"remat policy {policy!r} returned {answer!r} ({type(answer).__name__}) for op {op}; "
+            "a policy must return True (may keep) or False (recompute)."
+        )
+    return answer
 
 
 class RematPolicyWarning(UserWarning):

@@ -11,6 +11,7 @@ import optree
 import torch
 
 from ._arguments import Call, positional_names, split_call
+from ._budget import budget_of
 from ._caching import DEFAULT_CACHE_SIZE, MISSING, TRACE_LOCK, PlanCache, clear_cache, plan_cache
 from ._chaining import Chain, Runnable, split_at_outputs
 from ._executing import Plan
@@ -198,7 +199,10 @@ class Rematerialized:
         joint = differentiate(captured, diff_inputs, float_outputs)
         n_outputs = captured.n_outputs + len(captured.mutated)
         decide = policy_decider(captured.scopes)
-        part = partition(joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=updated)
+        part = partition(
+            joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=updated,
+            budget=budget_of(captured.scopes),
+        )
         plan = Plan(captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region)
         if nested_gradients():
             plan.keep_inputs_for_second_order()
