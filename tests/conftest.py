@@ -37,6 +37,7 @@ BUILT_IN_POLICIES: dict[str, Any] = {
     "dots": P.dots_saveable,
     "dots_no_batch": P.dots_with_no_batch_dims_saveable,
     "dots_attention": P.dots_and_attention_saveable,
+    "budget": P.memory_budget(0.5),
 }
 
 POLICIES = {
