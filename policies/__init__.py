@@ -56,6 +56,10 @@ __all__ = [
     "save_ops",
     "memory_budget",
     "MemoryBudget",
+    "Offload",
+    "offload_ops",
+    "offload_dot_with_no_batch_dims",
+    "save_and_offload_only_these_names",
     "keep_outputs_where",
     "output_smaller_than",
     "op_key",
@@ -354,3 +358,78 @@ def memory_budget(limit: int | float) -> MemoryBudget:
     if limit < 0:
         raise ValueError(f"memory_budget: bytes must be at least 0, got {limit!r}")
     return MemoryBudget(limit)
+
+
+@dataclass(frozen=True)
+class Offload:
+    """A policy's third answer: neither keep the value where it is nor recompute it, but
+    move it to `dst` memory ("cpu": host memory, pinned when it comes from an accelerator)
+    after forward and back before backward needs it. `src`: only values on that device type
+    move (None: any); others are kept where they are."""
+
+    dst: str = "cpu"
+    src: str | None = None
+
+
+@dataclass(frozen=True, repr=False)
+class _OffloadOps(PolicyBase):
+    """Offload the outputs of the listed ops (dots without batch dimensions only, if
+    asked), recompute the rest."""
+
+    ops: frozenset[str]
+    answer: Offload
+    label: str
+    without_batch_dims: bool = False
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if op_key(op) in self.ops and not (self.without_batch_dims and has_batch_dims(op, args)):
+            return self.answer
+        return False
+
+    def __repr__(self) -> str:
+        return self.label
+
+
+def offload_ops(*ops: OpLike | frozenset[str], offload_src: str | None = None, offload_dst: str = "cpu") -> Policy:
+    """Offload the outputs of these ops and op groups to `offload_dst` memory; recompute the rest."""
+    names = frozenset().union(*(op if isinstance(op, frozenset) else frozenset([op_key(op)]) for op in ops))
+    return _OffloadOps(names, Offload(offload_dst, offload_src), f"offload_ops({', '.join(sorted(names))})")
+
+
+def offload_dot_with_no_batch_dims(offload_src: str | None = None, offload_dst: str = "cpu") -> Policy:
+    """JAX's policy of that name: offload dots without batch dimensions, recompute the rest."""
+    return _OffloadOps(DOTS, Offload(offload_dst, offload_src), "offload_dot_with_no_batch_dims", without_batch_dims=True)
+
+
+@dataclass(frozen=True, repr=False)
+class _SaveAndOffloadNames(PolicyBase):
+    saved: frozenset[str]
+    offloaded: frozenset[str]
+    answer: Offload
+
+    def __call__(self, op: Any, *args: Any, name: str | None = None, **kwargs: Any) -> Any:
+        if name in self.saved:
+            return True
+        return self.answer if name in self.offloaded else False
+
+    def __repr__(self) -> str:
+        return f"save_and_offload_only_these_names({sorted(self.saved)}, {sorted(self.offloaded)})"
+
+    def references(self) -> References:
+        return References(names=self.saved | self.offloaded)
+
+
+def save_and_offload_only_these_names(
+    *,
+    names_which_can_be_saved: Any,
+    names_which_can_be_offloaded: Any,
+    offload_src: str | None = None,
+    offload_dst: str = "cpu",
+) -> Policy:
+    """JAX's policy of that name: keep values with the first names, offload values with the
+    second, recompute the rest."""
+    saved = _name_set("save_and_offload_only_these_names", tuple(names_which_can_be_saved))
+    offloaded = _name_set("save_and_offload_only_these_names", tuple(names_which_can_be_offloaded))
+    if saved & offloaded:
+        raise ValueError(f"save_and_offload_only_these_names: {sorted(saved & offloaded)} are both saved and offloaded")
+    return _SaveAndOffloadNames(saved, offloaded, Offload(offload_dst, offload_src))

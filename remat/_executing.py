@@ -184,6 +184,13 @@ class RematFunction(torch.autograd.Function):
         kept = ctx.saved_tensors
         extra_grads = [grads[j] for j in range(plan.n_outputs, len(grads)) if grads[j] is not None]
         if extra_grads:
+            if plan.part.offloaded:
+                raise RematError(
+                    f"remat({plan.region}): this second-order gradient (a backward of a backward) would "
+                    "differentiate through values the policy offloaded to host memory, which remat does not "
+                    "support. Nest torch.func transforms instead (remat then keeps those values where they "
+                    "are), or use a policy that keeps or recomputes them."
+                )
             full, order, cotangent_outputs = plan.higher_order()
             cotangents = [plan.cotangent(grads, j, kept) for j in cotangent_outputs]
             input_grads = plan.run(full.backward, *[kept[k] for k in order], *cotangents)

@@ -22,7 +22,7 @@ class Residual:
     shape: tuple[int, ...]
     dtype: torch.dtype
     nbytes: int
-    kind: str  # "input" (kept by reference), "intermediate" (computed and kept), "rng" (a generator state to replay a random op), "debug"
+    kind: str  # "input" (kept by reference), "intermediate" (computed and kept), "offloaded" (kept in host memory), "rng" (a generator state to replay a random op), "debug"
     op: Any  # the aten op that produced it; None for inputs
     name: str | None  # its checkpoint_name, if any
     source: str | None  # argument path for inputs, the user's file:line for intermediates
@@ -49,7 +49,13 @@ class Report:
 
     @property
     def kept_bytes(self) -> int:
-        return sum(r.nbytes for r in self.residuals)
+        """Bytes kept where they were computed (offloaded values are counted apart)."""
+        return sum(r.nbytes for r in self.residuals if r.kind != "offloaded")
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """Bytes held in host memory between forward and backward."""
+        return sum(r.nbytes for r in self.residuals if r.kind == "offloaded")
 
     @property
     def recompute_flops(self) -> int:
@@ -59,7 +65,7 @@ class Report:
         """Per region: (bytes kept, FLOPs recomputed)."""
         totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for r in self.residuals:
-            totals[r.region][0] += r.nbytes
+            totals[r.region][0] += r.nbytes if r.kind != "offloaded" else 0
         for c in self.recomputes:
             totals[c.region][1] += c.flops
         return {region: (kept, flop) for region, (kept, flop) in totals.items()}
@@ -85,8 +91,9 @@ class Report:
             ("region", "kept", "recomputed FLOPs"),
             [(reg, human_bytes(kept), human_flops(flop)) for reg, (kept, flop) in self.by_region().items()],
         )
+        offloaded = f"; {human_bytes(self.offloaded_bytes)} offloaded to host memory" if self.offloaded_bytes else ""
         lines.append(
-            f"total: {self.kept_bytes} bytes ({human_bytes(self.kept_bytes)}) in {len(self.residuals)} tensors; "
+            f"total: {self.kept_bytes} bytes ({human_bytes(self.kept_bytes)}) in {len(self.residuals)} tensors{offloaded}; "
             f"backward recomputes {human_flops(self.recompute_flops)}FLOP"
         )
         return "\n".join(lines)

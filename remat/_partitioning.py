@@ -19,6 +19,7 @@ import torch
 import torch.fx
 
 from remat.policies import (
+    Offload,
     describe_group,
     dots_and_attention_saveable,
     dots_saveable,
@@ -32,6 +33,7 @@ from ._costs import flops
 from ._debugging import check_recomputed
 from ._naming import node_name
 from ._nodes import SCOPE_KEY, SOURCE_KEY, is_random, is_tuple, is_view, meta_arguments, producer
+from ._offloading import offload_of, offloaded_value, to_device, to_host
 from ._passes import (
     drop_saved_value_detaches,
     index_fill_as_where,
@@ -41,7 +43,7 @@ from ._passes import (
 from ._randomness import RNG_KEY, capture_rng_state, replay_random, state_shape
 from ._tracing import Scope
 
-Decide = Callable[[torch.fx.Node], bool]
+Decide = Callable[[torch.fx.Node], "bool | Offload"]  # may keep / recompute / keep in host memory
 
 # What a budget's search starts from besides nothing and everything: so it never does
 # worse than one of these built-in policies whose kept values fit the budget.
@@ -81,6 +83,7 @@ class Partition:
     recomputed: list[RecomputedOp]  # what backward re-runs (views and tuple items, which are free, left out)
     replayed: list[int]  # rng index of each random op backward replays, in the order of its states
     checked: int  # debug mode: how many recomputed values backward compares with the forward's
+    offloaded: int = 0  # kept values held in host memory between forward and backward
 
 
 def _view_root(node: torch.fx.Node) -> torch.fx.Node:
@@ -110,6 +113,7 @@ def partition(
     debug: bool = False,
     mutated: Sequence[int] = (),
     budget: Budget | None = None,
+    offload: bool = True,
 ) -> Partition:
     """Split `joint` (inputs, tangents -> outputs, gradients) into forward and backward.
 
@@ -117,7 +121,8 @@ def partition(
     else is kept: used to rebuild a backward for a forward that has already run. With
     `debug`, backward checks every recomputed value against the forward's. Inputs in
     `mutated` are updated after the forward, so backward may only read copies of them.
-    With a `budget`, what its region keeps is chosen to fit it (see _budget.py).
+    With a `budget`, what its region keeps is chosen to fit it (see _budget.py). Values
+    a policy answers `Offload` for wait in host memory (see _offloading.py) when `offload`.
     """
     graph = joint.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -176,6 +181,10 @@ def partition(
         and n not in out_positions
     ]
     extra = [r for r in residual_list if r not in out_positions]
+    # kept values the policy moves to host memory (outputs are alive anyway: they stay)
+    offloads = {} if exact or not offload else {
+        r: answer for r in extra if (answer := offload_of(decide, r, producer(r))) is not None
+    }
 
     def build_forward(lowered: bool) -> torch.fx.Graph:
         """Lowered: also snapshot rng states for replays and, in debug mode, output the
@@ -194,7 +203,8 @@ def partition(
             _distinct_output(forward_graph, env[o], o in input_set or outs.index(o) < i) for i, o in enumerate(outs)
         ]
         tail = states + [env[n] for n in checked] if lowered else []
-        forward_graph.output(forward_outputs + [env[r] for r in extra] + tail)
+        kept = [_offloaded(forward_graph, r, env[r], offloads[r].dst) if lowered and r in offloads else env[r] for r in extra]
+        forward_graph.output(forward_outputs + kept + tail)
         return forward_graph
 
     residual_outputs = [out_positions[r] if r in out_positions else n_outputs + extra.index(r) for r in residual_list]
@@ -210,6 +220,8 @@ def partition(
     for node in tangents:
         benv[node] = backward_graph.placeholder(node.name)
         benv[node].meta = dict(node.meta)
+    for node in offloads:  # first thing backward does: bring them back, ahead of use
+        benv[node] = _brought_back(backward_graph, node, benv[node], offloads[node].dst)
     for node in graph.nodes:
         if node in state_inputs:
             benv[node] = _replay(backward_graph, node, state_inputs[node], benv)
@@ -225,7 +237,7 @@ def partition(
         backward=_module(joint, backward_graph),
         saved_inputs=[inputs.index(n) for n in saved_list],
         residual_outputs=residual_outputs,
-        kept=[_describe(r) for r in residual_list]
+        kept=[replace(_describe(r), kind="offloaded") if r in offloads else _describe(r) for r in residual_list]
         + [_describe_state(n) for n in replayed]
         + [replace(_describe(n), kind="debug") for n in checked],
         recomputed=[
@@ -235,7 +247,24 @@ def partition(
         ],
         replayed=[n.meta.get("custom", {}).get(RNG_KEY, -1) for n in replayed],
         checked=len(checked),
+        offloaded=len(offloads),
     )
+
+
+def _offloaded(graph: torch.fx.Graph, node: torch.fx.Node, value: torch.fx.Node, dst: str) -> torch.fx.Node:
+    """A forward node making `node`'s host copy."""
+    host = graph.call_function(to_host, (value, dst))
+    host.meta = {**node.meta, "val": offloaded_value(node, dst)}
+    return host
+
+
+def _brought_back(graph: torch.fx.Graph, node: torch.fx.Node, host: torch.fx.Node, dst: str) -> torch.fx.Node:
+    """A backward node bringing an offloaded value (`host`, a placeholder) back to the
+    device it was computed on."""
+    host.meta = {**node.meta, "val": offloaded_value(node, dst)}
+    back = graph.call_function(to_device, (host, node.meta["val"].device))
+    back.meta = dict(node.meta)
+    return back
 
 
 def _check(graph: torch.fx.Graph, node: torch.fx.Node, recomputed: torch.fx.Node, original: torch.fx.Node) -> torch.fx.Node:
@@ -421,12 +450,12 @@ def ask(policy: Callable[..., bool] | None, node: torch.fx.Node) -> bool:
     if name is not None:
         kwargs = {**kwargs, "name": name}
     answer = policy(op, *args, **kwargs)
-    if not isinstance(answer, bool):
+    if not isinstance(answer, (bool, Offload)):
         raise TypeError(
             f"remat policy {policy!r} returned {answer!r} ({type(answer).__name__}) for op {op}; "
-            "a policy must return True (may keep) or False (recompute)."
+            "a policy must return True (may keep), False (recompute) or policies.Offload(...) (move to host)."
         )
-    return answer
+    return answer  # type: ignore[return-value]
 
 
 class RematPolicyWarning(UserWarning):

@@ -201,7 +201,7 @@ class Rematerialized:
         decide = policy_decider(captured.scopes)
         part = partition(
             joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=updated,
-            budget=budget_of(captured.scopes),
+            budget=budget_of(captured.scopes), offload=not nested_gradients(),
         )
         plan = Plan(captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region)
         if nested_gradients():
