@@ -43,6 +43,9 @@ def main() -> None:
         P.dots_saveable,
         P.dots_saveable | P.save_ops("aten::_softmax"),
         P.everything_saveable,
+        P.memory_budget(0.25),
+        P.memory_budget(0.5),
+        P.memory_budget(0.75),
     ]
     rows = remat.compare(loss, params, tokens, policies=policies, measure=args.measure)
     print(remat.format_comparison(rows))

@@ -183,7 +183,8 @@ def partition(
     extra = [r for r in residual_list if r not in out_positions]
     # kept values the policy moves to host memory (outputs are alive anyway: they stay)
     offloads = {} if exact or not offload else {
-        r: answer for r in extra if (answer := offload_of(decide, r, producer(r))) is not None
+        r: answer for r in extra
+        if not (budget is not None and budget.governs(r)) and (answer := offload_of(decide, r, producer(r))) is not None
     }
 
     def build_forward(lowered: bool) -> torch.fx.Graph:
