@@ -263,3 +263,22 @@ def test_default_kv_cache_is_refused_naming_the_cache_and_the_fix(name: str) -> 
     remat.checkpoint_layers(layers, P.dots_saveable)
     with pytest.raises(RematError, match=r"stores a tensor it computes in `[a-z_]+\.layers\[0\]\.keys`.*use_cache=False"):
         model(**Z._tokens(Z.BATCH))
+
+
+@pytest.mark.parametrize("policy_name", ["none", "dots", "budget"])
+def test_attention_weights_returned_by_llama_eager_attention_are_differentiable(policy_name: str) -> None:
+    """LlamaAttention returns (output, weights) with the output computed from the weights
+    (after dropout): gradients with respect to the weights themselves, as without remat."""
+    torch.manual_seed(SEED)
+    model = Z.llama("eager")
+    attention = model.model.layers[0].self_attn
+    x = torch.randn(2, 6, Z.HIDDEN, dtype=Z.D, requires_grad=True)
+    position_embeddings = model.model.rotary_emb(x, torch.arange(6)[None])
+
+    def run(f: Callable[..., Any]) -> list[torch.Tensor]:
+        torch.manual_seed(SEED)
+        out, weights = f(x, position_embeddings=position_embeddings, attention_mask=None)
+        gradients = torch.autograd.grad(out.pow(2).sum(), (weights, x, *attention.parameters()))
+        return [out, weights, *gradients, torch.rand(2)]
+
+    assert_close(run(remat.remat(attention, policy=MODEL_POLICIES[policy_name])), run(attention))
