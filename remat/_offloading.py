@@ -22,11 +22,12 @@ from ._torch_internals import transforms_active
 
 
 def offload_of(decide: Callable[[torch.fx.Node], Any], node: torch.fx.Node, producer: torch.fx.Node) -> Offload | None:
-    """The Offload the policy answered for a kept value, when its device is the one to move from."""
+    """The Offload the policy answered for a kept value, when its device is the one to move
+    from and it is strided (dense)."""
     answer = decide(producer)
     val = node.meta.get("val")
-    if not isinstance(answer, Offload) or not isinstance(val, torch.Tensor):
-        return None
+    if not isinstance(answer, Offload) or not isinstance(val, torch.Tensor) or val.layout != torch.strided:
+        return None  # a sparse value stays where it is
     return answer if answer.src is None or answer.src == val.device.type else None
 
 

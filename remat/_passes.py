@@ -300,7 +300,7 @@ def check_layouts(gm: torch.fx.GraphModule) -> None:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         recorded = node.meta.get("val")
-        if not isinstance(recorded, torch.Tensor):
+        if not isinstance(recorded, torch.Tensor) or recorded.layout != torch.strided:  # sparse: no strides
             continue
         try:
             args, kwargs = torch.fx.map_arg((node.args, node.kwargs), fake)

@@ -29,7 +29,18 @@ D = torch.float64
 # refuses reseeding inside a region (a graph cannot repeat it); the cases seed outside.
 cmi.wrapper_set_seed = lambda op, *args, **kwargs: op(*args, **kwargs)
 
-POLICIES = {"nothing": P.nothing_saveable, "everything": P.everything_saveable, "dots": P.dots_saveable}
+def offload_everything(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Every kept value waits in host memory (on CPU the host is both sides)."""
+    return P.Offload()
+
+
+POLICIES = {
+    "nothing": P.nothing_saveable,
+    "everything": P.everything_saveable,
+    "dots": P.dots_saveable,
+    "budget": P.memory_budget(0.5),
+    "offload": offload_everything,
+}
 SAMPLES_PER_OP = 3  # the first samples, plus a non-contiguous copy of the first
 
 
@@ -175,7 +186,7 @@ ALL, FIRST, FIRST_AND_NONCONTIGUOUS = "all", "first", "first and non-contiguous"
 # name: (runner, {policy: which samples}). nothing_saveable recomputes the whole forward in
 # backward, the most demanding case; the other policies run on the first sample.
 TRANSFORMS: dict[str, tuple[Callable[..., Any], dict[str, str]]] = {
-    "vjp": (transform_vjp, {"nothing": ALL, "everything": FIRST, "dots": FIRST}),
+    "vjp": (transform_vjp, {"nothing": ALL, "everything": FIRST, "dots": FIRST, "budget": FIRST, "offload": FIRST}),
     "backward": (transform_backward, {"nothing": FIRST_AND_NONCONTIGUOUS}),
     "vmap_grad": (transform_vmap_grad, {"nothing": FIRST}),
     "grad_grad": (transform_grad_grad, {"nothing": FIRST, "everything": FIRST}),

@@ -101,3 +101,13 @@ def test_on_cuda_offloaded_values_wait_in_pinned_host_memory() -> None:
     assert len(host) == 2 and all(t.is_pinned() for t in host)
     expected = torch.autograd.grad(block(*args).sum(), args)
     assert_close(torch.autograd.grad(out.sum(), args), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_sparse_kept_value_stays_where_it_is() -> None:
+    """Found by the OpInfo sweep (to_sparse under an offload-everything policy)."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x.to_sparse() * 2).to_dense().sin()
+
+    x = torch.randn(4, 3, dtype=D, requires_grad=True)
+    g = remat(f, policy=lambda op, *args, **kwargs: P.Offload())
+    assert_close(torch.autograd.grad(g(x).sum(), x), torch.autograd.grad(f(x).sum(), x))
