@@ -63,8 +63,9 @@ def choose_within_budget(
     """The candidates to keep: kept bytes within the budget, recompute FLOPs least.
     `seeds`: other choices the approximate search starts from."""
     everything = frozenset(candidates)
-    limit = budget.in_bytes(cost(everything)[0])
-    if cost(everything)[0] <= limit:
+    kept_by_all = cost(everything)[0]
+    limit = budget.in_bytes(kept_by_all)
+    if kept_by_all <= limit:
         return everything
     if len(candidates) <= EXACT_UP_TO:
         best, best_cost = frozenset[torch.fx.Node](), (0, 0)
