@@ -135,6 +135,11 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return count * dtype.itemsize
 
 
+def value_bytes(value: Any) -> int:
+    """Bytes of a traced value (0 for what is not a tensor)."""
+    return _nbytes(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else 0
+
+
 def plan_report(plan: Plan) -> Report:
     """What one plan keeps (kept inputs, then kept values) and recomputes."""
     captured = plan.captured

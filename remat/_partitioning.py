@@ -31,6 +31,7 @@ from remat.policies import (
 from ._budget import Budget, choose_within_budget
 from ._costs import flops
 from ._debugging import check_recomputed
+from ._inspecting import value_bytes
 from ._naming import node_name
 from ._nodes import SCOPE_KEY, SOURCE_KEY, is_random, is_tuple, is_view, meta_arguments, producer
 from ._offloading import offload_of, offloaded_value, to_device, to_host
@@ -389,17 +390,12 @@ def _within_budget(
 
     def cost(chosen: frozenset[torch.fx.Node]) -> tuple[int, int]:
         _, residuals, recompute = _walk(needed, base | chosen, input_set)
-        kept = sum(_nbytes(r) for r in residuals if r not in must_keep)
+        kept = sum(value_bytes(r.meta["val"]) for r in residuals if r not in must_keep)
         return kept, sum(flops(n) for n in recompute)
 
     candidates = list(dict.fromkeys(candidates))
     seeds = [frozenset(c for c in candidates if ask(policy, c)) for policy in BUDGET_SEEDS]
     return base | choose_within_budget(candidates, cost, budget, seeds)
-
-
-def _nbytes(node: torch.fx.Node) -> int:
-    val = node.meta["val"]
-    return val.numel() * val.dtype.itemsize if isinstance(val, torch.Tensor) else 0
 
 
 def _allowed(graph: torch.fx.Graph, forward_nodes: set[torch.fx.Node], decide: Decide) -> set[torch.fx.Node]:
