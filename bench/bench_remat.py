@@ -1017,9 +1017,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         results, sources = [result], [str(args.out)]
     if args.markdown is not None:
         notes = args.notes.read_text() if args.notes and args.notes.exists() else ""
-        args.markdown.write_text(render_markdown(results, [_relative(s) for s in sources], notes))
+        text = render_markdown(results, [_relative(s) for s in sources], notes)
+        args.markdown.write_text(text + kept_section(args.markdown))
         log(f"wrote {args.markdown}")
     return 0
+
+
+# bench_compile.py writes its own section of RESULTS.md between these markers; rewriting
+# the file keeps it.
+SECTION_START = "<!-- bench_compile.py: start -->"
+SECTION_END = "<!-- bench_compile.py: end -->"
+
+
+def kept_section(markdown: Path) -> str:
+    """The bench_compile.py section of an existing markdown file, or nothing."""
+    text = markdown.read_text() if markdown.exists() else ""
+    if SECTION_START not in text:
+        return ""
+    return "\n" + SECTION_START + text.split(SECTION_START, 1)[1].split(SECTION_END, 1)[0] + SECTION_END + "\n"
 
 
 def _relative(path: str) -> str:

@@ -16,7 +16,7 @@ import os
 import sysconfig
 import types
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import optree
@@ -39,15 +39,15 @@ class Call:
     """One call, split: the tensors to trace with and how to put the arguments back."""
 
     tensors: list[torch.Tensor]
-    tensor_paths: list[str]
+    tensor_paths: Sequence[str]
     captured: list[torch.Tensor]
     captured_paths: list[str]
     captured_setters: list[Callable[[Any], None] | None]
     static_leaves: list[Any]
     spec: Any
-    tensor_positions: list[int]
+    tensor_positions: Sequence[int]
     key: tuple[Any, ...]
-    leaf_paths: list[str] = field(default_factory=list)  # readable path of every leaf
+    leaf_paths: Sequence[str] = ()  # readable path of every leaf
 
     def objects(self) -> list[tuple[str, Any]]:
         """The static leaves that are objects (not tensors, numbers or strings), by path:
@@ -136,7 +136,7 @@ def needs_grad(t: torch.Tensor) -> bool:
     """Whether any autograd level (plain, or an enclosing torch.func transform) tracks `t`."""
     if not (t.is_floating_point() or t.is_complex()):
         return False
-    return any(level.requires_grad for level in transform_levels(t))
+    return t.requires_grad or any(level.requires_grad for level in transform_levels(t))  # t is the first level
 
 
 def split_call(
@@ -148,6 +148,22 @@ def split_call(
     static_argnames: frozenset[str],
 ) -> Call:
     """Flatten (args, kwargs) into tensors and static leaves; collect captured tensors."""
+    if not kwargs and not static_argnums:
+        call = _split_tensor_args(fn, names, args)
+        if call is not None:
+            return call
+    return _split_flattened(fn, names, args, kwargs, static_argnums, static_argnames)
+
+
+def _split_flattened(
+    fn: Callable[..., Any],
+    names: tuple[str, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    static_argnums: frozenset[int],
+    static_argnames: frozenset[str],
+) -> Call:
+    """split_call for any call: flattens the arguments with optree."""
     args = tuple(_Static(a) if (i in static_argnums or i - len(args) in static_argnums) else a for i, a in enumerate(args))
     kwargs = {k: _Static(v) if k in static_argnames else v for k, v in kwargs.items()}
     paths, leaves, spec = optree.tree_flatten_with_path((args, kwargs))  # type: ignore[var-annotated,arg-type]
@@ -181,14 +197,56 @@ def split_call(
                     "it a pytree of tensors."
                 ) from None
             key.append((type(leaf), leaf))
+    return _with_captured(fn, tensors, tensor_paths, leaves, spec, positions, key, leaf_paths)
+
+
+# Tensor types optree flattens as leaves (it registers neither); a subclass of them might
+# be registered as a pytree node, so it takes the general path.
+_LEAF_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _split_tensor_args(fn: Callable[..., Any], names: tuple[str, ...], args: tuple[Any, ...]) -> Call | None:
+    """The common call, `f(x, w)` with plain strided tensors only: the Call (and key)
+    _split_flattened builds, without flattening. None for any other call."""
+    key: list[Any] = [None]
+    for arg in args:
+        if type(arg) not in _LEAF_TENSORS or arg.layout != torch.strided:
+            return None  # the general path flattens it (or refuses an unstrided tensor)
+        key.append(tensor_signature(arg))
+    spec, paths, positions = _positional_layout(names, len(args))
+    key[0] = spec
+    return _with_captured(fn, list(args), paths, list(args), spec, positions, key, paths)
+
+
+@functools.lru_cache(maxsize=1024)
+def _positional_layout(names: tuple[str, ...], n: int) -> tuple[Any, tuple[str, ...], tuple[int, ...]]:
+    """What flattening `(args, {})` gives for `n` positional leaves: the tree structure,
+    each leaf's readable path, and the leaves' positions."""
+    spec = optree.tree_structure((tuple(object() for _ in range(n)), {}))  # type: ignore[arg-type]
+    return spec, tuple(names[i] if i < len(names) else f"args[{i}]" for i in range(n)), tuple(range(n))
+
+
+def _with_captured(
+    fn: Callable[..., Any],
+    tensors: list[torch.Tensor],
+    tensor_paths: Sequence[str],
+    leaves: list[Any],
+    spec: Any,
+    positions: Sequence[int],
+    key: list[Any],
+    leaf_paths: Sequence[str],
+) -> Call:
+    """The Call of split arguments, with what `fn` captures and the state a trace depends
+    on added to the key (shared by both ways of splitting)."""
     captured, captured_paths, captured_setters, flags = _collect_consistently(fn)
     for captured_path, tensor in zip(captured_paths, captured):
         _refuse_unstrided(fn, captured_path, tensor)
-    key.extend(tensor_signature(t) for t in captured)
+        key.append(tensor_signature(tensor))
     key.append(flags)
     key.append(torch.is_grad_enabled())
-    key.append(transforms_active())  # eager code runs some ops otherwise under torch.func (dropout)
-    key.append(nested_gradients())
+    transforms = transforms_active()
+    key.append(transforms)  # eager code runs some ops otherwise under torch.func (dropout)
+    key.append(transforms and nested_gradients())  # no transforms: no nesting, and a cheaper answer
     key.append(autocast_state())
     return Call(tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key), leaf_paths)
 
@@ -253,10 +311,25 @@ def collect_captured(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[s
     seen: set[int] = set()
 
     def visit(value: Any, path: str, setter: Setter | None, depth: int) -> None:
-        if depth > 6 or id(value) in seen:
+        if depth > 6 or id(value) in seen or type(value) is types.ModuleType:  # a module (`torch`): nothing to visit
             return
         seen.add(id(value))
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, types.FunctionType):  # inspect.isfunction, first as the most common
+            if _in_a_library(value.__code__):
+                return
+            names = _names_of(value.__code__)
+            for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
+                try:
+                    contents = cell.cell_contents
+                except ValueError:  # a cell not yet assigned
+                    continue
+                if name not in names.written:  # state the function updates is not an input
+                    visit(contents, name, _cell_setter(cell), depth + 1)
+            namespace = value.__globals__
+            for name in names.globals:  # looked up on every call: a rebound global is seen
+                if name in namespace and name not in names.written and type(namespace[name]) is not types.ModuleType:
+                    visit(namespace[name], name, _item_setter(namespace, name), depth + 1)
+        elif isinstance(value, torch.Tensor):
             found.append(value)
             paths.append(path)
             setters.append(setter)
@@ -280,24 +353,11 @@ def collect_captured(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[s
             visit(value.func, path, None, depth + 1)
             visit(value.args, f"{path}.args", None, depth + 1)
             visit(value.keywords, f"{path}.keywords", None, depth + 1)
-        elif inspect.ismethod(value):
+        elif isinstance(value, types.MethodType):  # inspect.ismethod
             visit(value.__self__, "self", None, depth + 1)
             visit(value.__func__, path, None, depth + 1)
         elif isinstance(value, _PLAIN):
             flags.append((path, value))  # a number or string read from a closure is traced in
-        elif inspect.isfunction(value) and not _in_a_library(value.__code__):
-            names = _names_of(value.__code__)
-            for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
-                try:
-                    contents = cell.cell_contents
-                except ValueError:  # a cell not yet assigned
-                    continue
-                if name not in names.written:  # state the function updates is not an input
-                    visit(contents, name, _cell_setter(cell), depth + 1)
-            namespace = value.__globals__
-            for name in names.globals:  # looked up on every call: a rebound global is seen
-                if name in namespace and name not in names.written:
-                    visit(namespace[name], name, _item_setter(namespace, name), depth + 1)
 
     visit(fn, "self" if isinstance(fn, torch.nn.Module) else "", None, 0)
     return found, paths, setters, tuple(flags)

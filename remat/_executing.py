@@ -19,7 +19,7 @@ from ._errors import RematError
 from ._layouts import run_checked
 from ._nodes import DIFFERENTIABLE_KEY
 from ._partitioning import Partition, partition
-from ._torch_internals import transforms_active
+from ._torch_internals import apply_function, transforms_active
 from ._tracing import Captured, vjp_of_graph
 
 
@@ -44,7 +44,7 @@ class Plan:
         """Run one of this plan's graphs; its first run checks layouts against the trace."""
         try:
             if id(gm) in self._layouts_checked:
-                return gm(*inputs)
+                return gm.forward(*inputs)  # what gm(...) runs, without nn.Module's call machinery
             outputs, checked = run_checked(gm, self.region, *inputs)
         except RuntimeError as error:
             if not transforms_active() or isinstance(error, RematError):
@@ -61,12 +61,12 @@ class Plan:
 
     def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run the region: its outputs, the new values of mutated inputs, then kept values."""
-        return RematFunction.apply(self, *inputs)  # type: ignore[no-any-return]
+        return apply_function(RematFunction, self, *inputs)  # type: ignore[no-any-return]
 
     def plans(self) -> list[Plan]:
         return [self]
 
-    @property
+    @functools.cached_property
     def n_outputs(self) -> int:
         return self.captured.n_outputs + len(self.captured.mutated)
 
@@ -126,7 +126,7 @@ class Plan:
         full, _, _ = self._second_order
         self.extra_inputs = [i for i in full.saved_inputs if i not in self.part.saved_inputs]
 
-    @property
+    @functools.cached_property
     def n_first_order_kept(self) -> int:
         return len(self.part.saved_inputs) + len(self.part.residual_outputs)
 
@@ -173,17 +173,18 @@ class RematFunction(torch.autograd.Function):
         args = inputs[1:]
         ctx.plan = plan
         kept = [args[i] for i in plan.part.saved_inputs] + [output[j] for j in plan.part.residual_outputs]
-        kept += [args[i] for i in plan.extra_inputs]
+        if plan.extra_inputs:
+            kept += [args[i] for i in plan.extra_inputs]
         ctx.save_for_backward(*kept)
-        ctx.mark_non_differentiable(*[output[j] for j in plan.nondifferentiable_outputs])
+        if plan.nondifferentiable_outputs:
+            ctx.mark_non_differentiable(*[output[j] for j in plan.nondifferentiable_outputs])
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         plan: Plan = ctx.plan
         kept = ctx.saved_tensors
-        extra_grads = [grads[j] for j in range(plan.n_outputs, len(grads)) if grads[j] is not None]
-        if extra_grads:
+        if any(g is not None for g in grads[plan.n_outputs:]):  # cotangents for kept values: second order
             if plan.part.offloaded:
                 raise RematError(
                     f"remat({plan.region}): this second-order gradient (a backward of a backward) would "
@@ -204,9 +205,9 @@ class RematFunction(torch.autograd.Function):
 
 
 def _cache_forward_signature() -> None:
-    """Function.apply binds its arguments to `forward`'s signature on every call, and
-    computing a signature is most of remat's per-call overhead; a precomputed
-    `__signature__` makes it a lookup (torch 2.13, autograd/function.py apply)."""
+    """Function.apply (called under torch.func transforms) binds its arguments to
+    `forward`'s signature on every call; a precomputed `__signature__` makes computing
+    the signature a lookup (torch 2.13, autograd/function.py apply)."""
     forward = RematFunction.forward
     forward.__signature__ = inspect.signature(forward)  # type: ignore[attr-defined]
 

@@ -12,6 +12,7 @@ import optree
 import torch
 
 if TYPE_CHECKING:
+    from ._chaining import Runnable
     from ._executing import Plan
 
 
@@ -162,10 +163,13 @@ def plan_report(plan: Plan) -> Report:
 _recorder: contextvars.ContextVar[Report | None] = contextvars.ContextVar("remat_recorder", default=None)
 
 
-def record(plan: Plan) -> None:
-    """Called by every remat region when it runs; a no-op unless a report is being made."""
+def record(runnable: Runnable) -> None:
+    """Called by every remat region when it runs (with its Plan, or Chain of plans); a
+    no-op, and cheap, unless a report is being made."""
     sink = _recorder.get()
-    if sink is not None:
+    if sink is None:
+        return
+    for plan in runnable.plans():
         found = plan_report(plan)
         sink.calls += 1
         sink.residuals.extend(found.residuals)

@@ -20,6 +20,8 @@ def checkpoint_name(x: T, name: str) -> T:
     Outside a remat trace this is the identity (free, differentiable, fine under vmap).
     While remat traces a function, the name is written on the graph node that produced
     the tensor, where `save_only_these_names("name")` and friends look for it.
+    Under torch.compile it is a copy made by the op `remat::checkpoint_name`, whose
+    output the policy is asked about with the name.
 
     >>> import torch
     >>> from remat import checkpoint_name
@@ -29,6 +31,10 @@ def checkpoint_name(x: T, name: str) -> T:
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"checkpoint_name: name must be a non-empty string, got {name!r}")
+    if torch.compiler.is_compiling():
+        from ._compiling import name_under_compile
+
+        return name_under_compile(x, name)  # type: ignore[no-any-return]
     for leaf in optree.tree_leaves(x):  # type: ignore[var-annotated,arg-type]
         if isinstance(leaf, torch.Tensor):
             annotate(tracing_node(leaf), NAME_KEY, name)

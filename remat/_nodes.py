@@ -9,6 +9,8 @@ import optree
 import torch
 import torch.fx
 
+from ._torch_internals import size_hint
+
 # What tracing writes in node.meta["custom"], which retraces carry over to new graphs.
 SOURCE_KEY = "remat_source"  # the user's file:line that ran the op
 SCOPE_KEY = "remat_scope"  # index of the nested remat region whose policy governs the op
@@ -47,12 +49,19 @@ def is_tuple(node: torch.fx.Node) -> bool:
     return isinstance(node.meta.get("val"), (tuple, list))
 
 
+def meta_like(value: Any) -> Any:
+    """A data-free meta tensor with `value`'s shape, strides and dtype (what policies see);
+    other values unchanged. A symbolic size becomes its hint, the size it was traced with."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = tuple(size_hint(s) for s in value.shape)
+    stride = tuple(size_hint(s) for s in value.stride())
+    return torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
+
+
 def _to_meta(value: Any) -> Any:
     if isinstance(value, torch.fx.Node):
-        val = value.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device="meta")
-        return val
+        return meta_like(value.meta.get("val"))
     return value
 
 

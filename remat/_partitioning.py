@@ -441,9 +441,13 @@ def ask(policy: Callable[..., bool] | None, node: torch.fx.Node) -> bool:
     """`policy`'s answer for `node`, asked with data-free meta tensors; insist on a bool."""
     if policy is None:
         return False
-    op = node.target
     args, kwargs = meta_arguments(node)
-    name = node_name(node)
+    return answer_of(policy, node.target, args, kwargs, node_name(node))
+
+
+def answer_of(policy: Callable[..., bool], op: Any, args: Any, kwargs: dict[str, Any], name: str | None) -> bool:
+    """`policy`'s answer for `op` called with (meta) `args`, its output tagged `name`;
+    insist on a bool or an Offload."""
     if name is not None:
         kwargs = {**kwargs, "name": name}
     answer = policy(op, *args, **kwargs)

@@ -14,6 +14,12 @@ from ._arguments import Call, positional_names, split_call
 from ._budget import budget_of
 from ._caching import DEFAULT_CACHE_SIZE, MISSING, TRACE_LOCK, PlanCache, clear_cache, plan_cache
 from ._chaining import Chain, Runnable, split_at_outputs
+from ._compiling import (
+    call_under_compile,
+    compiled_override,
+    overriding_under_compile,
+    selective_context,
+)
 from ._executing import Plan
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
@@ -40,27 +46,32 @@ _OVERRIDE: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextV
 
 
 @contextlib.contextmanager
+def _overriding(value: tuple[Any, ...]) -> Iterator[None]:
+    token = _OVERRIDE.set(value)
+    with overriding_under_compile(None if value is _NO_REMAT else value[0], value is _NO_REMAT):
+        try:
+            yield
+        finally:
+            _OVERRIDE.reset(token)
+
+
+@contextlib.contextmanager
 def using_policy(policy: Callable[..., bool] | None) -> Iterator[None]:
     """Give every remat region called inside the same policy, whatever its own.
 
     For experiments: `with using_policy(P.dots_saveable): loss(params, batch)`. Plans
-    traced under an override are cached apart from the regions' own.
+    traced under an override are cached apart from the regions' own. Call it outside
+    torch.compile'd code; compiled code sees it process-wide, not per thread.
     """
-    token = _OVERRIDE.set((policy,))
-    try:
+    with _overriding((policy,)):
         yield
-    finally:
-        _OVERRIDE.reset(token)
 
 
 @contextlib.contextmanager
 def without_remat() -> Iterator[None]:
     """Run every remat region's function as it is: plain autograd, for comparison."""
-    token = _OVERRIDE.set(_NO_REMAT)
-    try:
+    with _overriding(_NO_REMAT):
         yield
-    finally:
-        _OVERRIDE.reset(token)
 
 
 def region_name(fn: Callable[..., Any]) -> str:
@@ -112,6 +123,7 @@ class Rematerialized:
             raise TypeError(f"remat: name must be a non-empty string (the region's name in reports), got {name!r}")
         self.region = name or region_name(fn)
         self._names = positional_names(fn)
+        self._compile_context = selective_context(policy, self.region)
         self._plans = self._plans_for(policy)
         self._hits = 0
         self._traces = 0
@@ -144,6 +156,8 @@ class Rematerialized:
         self._plans = self._plans_for(self.policy)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # dynamo traces this: lower to torch's selective checkpointing
+            return self._call_under_compile(args, kwargs)
         override = _OVERRIDE.get()
         policy = self.policy if override is None or override is _NO_REMAT else override[0]
         if inside_trace():  # nested in a region being traced: inline, under this region's policy
@@ -168,12 +182,22 @@ class Rematerialized:
                     plans.store(call.key, call.key_labels(), plan, offsets)
         if plan is None:  # nothing needs a gradient: there is nothing to checkpoint
             return self.fn(*args, **kwargs)
-        for part in plan.plans():
-            record(part)
-        inputs = call.tensors + [call.captured[i] for i in plan.captured.lifted] + plan.captured.by_reference
+        record(plan)
+        captured = plan.captured
+        inputs = call.tensors + [call.captured[i] for i in captured.lifted] + captured.by_reference
         results = plan.apply(inputs)
-        self._apply_mutations(plan, inputs, results)
+        if captured.mutated:
+            self._apply_mutations(plan, inputs, results)
+        if captured.n_outputs == 1 and captured.out_spec.is_leaf():  # one tensor: no tree to rebuild
+            return results[0]
         return self._rebuild_outputs(plan, results)
+
+    def _call_under_compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        override = compiled_override()
+        if isinstance(override, str):  # NO_REMAT_UNDER_COMPILE: without_remat()
+            return self.fn(*args, **kwargs)
+        policy, context = (self.policy, self._compile_context) if override is None else override
+        return call_under_compile(self.fn, policy, self.region, context, args, kwargs)
 
     def _plans_for(self, policy: Callable[..., bool] | None) -> PlanCache:
         settings = (policy, self.static_argnums, self.static_argnames, self.debug, self.region)

@@ -154,3 +154,33 @@ def tracing_isolated() -> Iterator[None]:
     and no growth of torch's fake-tensor cache."""
     with clear_transforms(), saved_tensor_hooks_suspended(), fake_tensor_cache_off():
         yield
+
+
+def size_hint(size: Any) -> int:
+    """A concrete int for a size that may be symbolic (under torch.compile's dynamic
+    shapes), without adding a guard (torch 2.13, fx.experimental.symbolic_shapes)."""
+    if isinstance(size, torch.SymInt):
+        from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+        return int(optimization_hint(size))
+    return int(size)
+
+
+def dispatch_modes_off() -> contextlib.AbstractContextManager[Any]:
+    """No torch dispatch mode (fake, proxy, functionalization) sees the ops run inside:
+    for meta tensors made while a mode is tracing (torch 2.13, utils._python_dispatch)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()  # type: ignore[no-any-return]
+
+
+def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """`function.apply(*args)`, cheaper outside torch.func transforms: there Function.apply
+    binds the arguments to `forward`'s signature (a no-op for a forward taking `*args`),
+    unwraps dead torch.func wrappers and calls the C++ apply, which this does directly
+    (torch 2.13, autograd/function.py Function.apply)."""
+    if torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    from torch._functorch.utils import unwrap_dead_wrappers
+
+    return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))  # type: ignore[misc]

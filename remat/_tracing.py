@@ -517,7 +517,10 @@ def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     Autograd's backward formulas write in place (`diagonal(g).mul_(0.5)` in qr's); a graph
     with in-place ops is wrong once its dead-looking writes are pruned, and not vmap-safe.
+    A graph without any op that writes is returned as it is (the retrace would copy it).
     """
+    if not any(_writes(node) for node in gm.graph.nodes):
+        return gm
     def run(*flat: torch.Tensor) -> Any:
         with preserve_node_meta():
             return _CarryMeta(gm).run(*flat)
@@ -531,6 +534,12 @@ def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             tracing_mode="fake",
             _allow_non_fake_inputs=True,
         )(*examples)
+
+
+def _writes(node: torch.fx.Node) -> bool:
+    """Whether the node's op mutates an argument (in place, out=, or a mutable custom op)."""
+    op = node.target
+    return node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable
 
 
 def _differentiable_copy(target: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

@@ -82,3 +82,20 @@ def test_targets_and_markdown_are_reported(tiny_results: dict[str, Any]) -> None
     assert tiny_results["targets"] and all(isinstance(t["met"], bool) for t in tiny_results["targets"])
     markdown = tiny_results["_markdown"]
     assert "| workload | variant |" in markdown and "CUDA sizes: not yet measured" in markdown
+
+
+def test_rewriting_the_results_keeps_the_compile_benchmarks_section(tmp_path: Path) -> None:
+    """bench_remat.py rewrites RESULTS.md whole; bench_compile.py's section must survive."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_compile
+        import bench_remat
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    markdown = tmp_path / "RESULTS.md"
+    markdown.write_text("# old results\n")
+    bench_compile.replace_section(markdown, f"{bench_remat.SECTION_START}\ncompile rows\n{bench_remat.SECTION_END}")
+    assert bench_remat.kept_section(markdown).strip() == f"{bench_remat.SECTION_START}\ncompile rows\n{bench_remat.SECTION_END}"
+    bench_compile.replace_section(markdown, f"{bench_remat.SECTION_START}\nnew rows\n{bench_remat.SECTION_END}")
+    assert "compile rows" not in markdown.read_text() and markdown.read_text().count("new rows") == 1
+    assert bench_remat.kept_section(tmp_path / "missing.md") == ""

@@ -1,0 +1,253 @@
+"""remat under torch.compile and with varying sequence lengths, against torch's own
+checkpointing, measured in one run.
+
+Rows (the blocks are bench_remat.py's GPT block with SDPA attention):
+  compile     eager vs torch.compile(fullgraph=True, inductor) for no checkpointing,
+              torch.utils.checkpoint, its selective variant keeping matmuls, and remat
+              nothing_saveable / dots_saveable: step time (interleaved rounds) and bytes kept
+              for backward.
+  lengths     a training loop over a list of sequence lengths: total time, remat traces and
+              dynamo compiles, eager and compiled.
+  overhead    per-call cost of a cache hit on a tiny function (bench/overhead.py).
+
+    python bench/bench_compile.py --threads 1 --markdown bench/RESULTS.md
+
+writes bench/results-compile-<device>.json and replaces the section of RESULTS.md between
+its markers (bench_remat.py keeps that section when it rewrites the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch._dynamo.utils import counters
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import bench_remat as B  # noqa: E402
+import overhead as O  # noqa: E402
+
+import remat  # noqa: E402
+
+SECTION_START, SECTION_END = B.SECTION_START, B.SECTION_END
+
+COMPILE_SIZE = B.Size(4, 256, 128, 4, "float32", 9, 2, 0, "bench_remat's cpu size")
+LENGTHS_SIZE = B.Size(2, 128, 0, 2, "float32", 0, 0, 0, "variable-length loop")
+
+
+def _variants(block: Callable[..., torch.Tensor]) -> dict[str, Callable[..., torch.Tensor]]:
+    """The variants of bench_remat that have a compiled counterpart (torch_remat excluded)."""
+    names = ("none", "tuc", "tuc_sac_dots", "remat_nothing_saveable", "remat_dots_saveable")
+    return {v.name: v.call for v in B.build_variants(block, with_torch_remat=False) if v.name in names}
+
+
+def _stack(call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def forward(x: torch.Tensor, layers: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        for p in layers:
+            x = call(x, p)
+        return x
+
+    return forward
+
+
+def _kept_bytes(forward: Callable[..., torch.Tensor], wl: B.Workload) -> int:
+    """Distinct storages autograd saves for backward, less the leaves (inputs, parameters).
+    Seen through saved-tensor hooks, so it counts compiled graphs (one autograd node that
+    saves through them) but not what eager torch.utils.checkpoint keeps behind its own
+    hooks: for eager rows bench_remat's exact count is used instead."""
+    leaves = {t.untyped_storage().data_ptr() for t in wl.leaves}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in leaves:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    gc.collect()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward(wl.x, wl.layers)
+    del out
+    return sum(storages.values())
+
+
+def _step_ms(forward: Callable[..., torch.Tensor], wl: B.Workload, clock: str) -> float:
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    gc.collect()
+    start = now()
+    out = forward(wl.x, wl.layers)
+    torch.autograd.grad(out, wl.leaves, grad_outputs=wl.cotangent)
+    return (now() - start) * 1e3
+
+
+def measure_compile(device: torch.device, clock: str, repeats: int) -> dict[str, Any]:
+    wl = B.build_workload("gpt_sdpa", COMPILE_SIZE, device, seed=0)
+    reference = B.step(wl.block, wl)
+    rows: dict[str, dict[str, Any]] = {}
+    runs: dict[str, Callable[..., torch.Tensor]] = {}
+    for name, call in _variants(wl.block).items():
+        for compiled in (False, True):
+            key = f"{name} ({'compiled' if compiled else 'eager'})"
+            forward = _stack(call)
+            if compiled:
+                forward = torch.compile(forward, fullgraph=True, backend="inductor")
+            start = time.perf_counter()
+            grads = torch.autograd.grad(forward(wl.x, wl.layers), wl.leaves, grad_outputs=wl.cotangent)
+            first_ms = (time.perf_counter() - start) * 1e3
+            worst = max((g - r).abs().max().item() / (r.abs().max().item() or 1.0) for g, r in zip(grads, reference))
+            del grads
+            kept = _kept_bytes(forward, wl) if compiled else B.kept_bytes(call, wl, device)["kept_bytes"]
+            rows[key] = {"variant": name, "compiled": compiled, "kept_bytes": kept, "first_call_ms": first_ms,
+                         "max_rel_grad_err": worst, "step_ms": []}
+            runs[key] = forward
+            B.log(f"compile: {key}: first call {first_ms:.0f} ms, kept {kept / 2**20:.2f} MiB")
+    keys = list(runs)
+    for r in range(repeats + 1):  # round 0 warms up
+        for key in keys[r % len(keys):] + keys[: r % len(keys)]:
+            ms = _step_ms(runs[key], wl, clock)
+            if r:
+                rows[key]["step_ms"].append(ms)
+    for row in rows.values():
+        row["median_ms"] = statistics.median(row["step_ms"])
+    return {"size": COMPILE_SIZE.__dict__, "clock": clock, "rows": rows}
+
+
+def measure_lengths(device: torch.device, lengths: list[int]) -> dict[str, Any]:
+    """One pass of a training loop over `lengths` (a batch per length); every variant sees
+    the same batches. Counts remat traces and dynamo's compiled graphs."""
+    size = LENGTHS_SIZE
+    base = B.build_workload("gpt_sdpa", B.Size(size.layers, size.d_model, max(lengths), size.batch, "float32", 0, 0, 0, ""), device, 0)
+    batches = [base.x[:, :n].detach().clone().requires_grad_() for n in lengths]
+    rows: dict[str, Any] = {}
+    for name, call in _variants(base.block).items():
+        if name == "none":
+            continue
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            remat.clear_cache()
+            forward = _stack(call)
+            if compiled:
+                forward = torch.compile(forward, fullgraph=True, backend="inductor")
+            wrapped = getattr(call, "cache_info", None)
+            gc.collect()
+            start = time.perf_counter()
+            for x in batches:
+                out = forward(x, base.layers)
+                torch.autograd.grad(out.pow(2).mean(), [x, *[t for p in base.layers for t in p.values()]])
+            total = time.perf_counter() - start
+            key = f"{name} ({'compiled' if compiled else 'eager'})"
+            rows[key] = {
+                "variant": name, "compiled": compiled, "total_s": total,
+                "remat_traces": wrapped()["traces"] if wrapped and not compiled else None,
+                "dynamo_graphs": int(counters["stats"]["unique_graphs"]) if compiled else None,
+            }
+            B.log(f"lengths: {key}: {total:.1f} s {rows[key]}")
+    return {"lengths": lengths, "layers": size.layers, "d_model": size.d_model, "batch": size.batch, "rows": rows}
+
+
+def render(result: dict[str, Any]) -> str:
+    c = result["compile"]
+    size = c["size"]
+    lines = [
+        SECTION_START,
+        "## torch.compile, variable sequence lengths, per-call overhead",
+        "",
+        f"Generated by `bench/bench_compile.py` ({result['elapsed_s']:.0f} s) on {result['machine']}, torch "
+        f"{result['torch']}, remat at {result['git']}, torch threads {result['threads']}; load average at start "
+        f"{result['load'][0]:.1f}, at end {result['load'][1]:.1f}.",
+        "",
+        f"**Compiled vs eager.** `gpt_sdpa`, {size['layers']} layers, d_model {size['d_model']}, seq {size['seq']}, "
+        f"batch {size['batch']}, float32; compiled = `torch.compile(stack, fullgraph=True, backend=\"inductor\")`; "
+        f"median of {len(next(iter(c['rows'].values()))['step_ms'])} interleaved rounds, {c['clock']} clock. "
+        "Kept bytes: eager rows count bench_remat's exact way (storages the forward made that are still alive); "
+        "compiled rows count the storages the compiled graph saves for backward (saved-tensor hooks), leaves excluded.",
+        "",
+        "| variant | eager ms | compiled ms | compiled × eager | eager kept MiB | compiled kept MiB | grads max rel err (compiled) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in dict.fromkeys(row["variant"] for row in c["rows"].values()):
+        eager, compiled = c["rows"][f"{name} (eager)"], c["rows"][f"{name} (compiled)"]
+        lines.append(
+            f"| {B.LABELS[name]} | {eager['median_ms']:.1f} | {compiled['median_ms']:.1f} | "
+            f"{compiled['median_ms'] / eager['median_ms']:.2f} | {eager['kept_bytes'] / 2**20:.2f} | "
+            f"{compiled['kept_bytes'] / 2**20:.2f} | {compiled['max_rel_grad_err']:.0e} |"
+        )
+    v = result["lengths"]
+    lines += [
+        "",
+        f"**Variable sequence lengths.** One pass over {len(v['lengths'])} batches with lengths "
+        f"{min(v['lengths'])}-{max(v['lengths'])} ({len(set(v['lengths']))} distinct), gpt_sdpa {v['layers']} layers, "
+        f"d_model {v['d_model']}, batch {v['batch']}, wall clock; traces: remat plans traced (eager), "
+        "dynamo graphs compiled (compiled).",
+        "",
+        "| variant | eager total s | eager remat traces | compiled total s | compiled graphs |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for name in dict.fromkeys(row["variant"] for row in v["rows"].values()):
+        eager, compiled = v["rows"][f"{name} (eager)"], v["rows"][f"{name} (compiled)"]
+        traces = "" if eager["remat_traces"] is None else str(eager["remat_traces"])
+        lines.append(f"| {B.LABELS[name]} | {eager['total_s']:.2f} | {traces} | {compiled['total_s']:.2f} | {compiled['dynamo_graphs']} |")
+    lines += ["", "**Per-call overhead of a cache hit** (bench/overhead.py's measurement, same run):", ""]
+    lines += O.render_table(result["overhead"])
+    lines += ["", SECTION_END]
+    return "\n".join(lines)
+
+
+def replace_section(markdown: Path, section: str) -> None:
+    text = markdown.read_text() if markdown.exists() else ""
+    if SECTION_START in text:
+        before, rest = text.split(SECTION_START, 1)
+        text = before + section + rest.split(SECTION_END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    markdown.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--clock", choices=B.CLOCKS, default="cpu")
+    parser.add_argument("--repeats", type=int, default=COMPILE_SIZE.repeats)
+    parser.add_argument("--lengths", type=int, default=24, help="batches in the variable-length loop")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    started, load = time.perf_counter(), [os.getloadavg()[0]]
+    draw = random.Random(0)
+    lengths = [draw.randrange(32, 129) for _ in range(args.lengths)]
+    result: dict[str, Any] = {
+        "machine": B.machine_info(device)["cpu_model"], "torch": torch.__version__, "git": B.git_state(),
+        "threads": torch.get_num_threads(),
+        "compile": measure_compile(device, args.clock, args.repeats),
+        "lengths": measure_lengths(device, lengths),
+        "overhead": O.measure_tiny(rounds=7, calls=500),
+    }
+    load.append(os.getloadavg()[0])
+    result["load"], result["elapsed_s"] = load, time.perf_counter() - started
+    out = args.out or HERE / f"results-compile-{device.type}.json"
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    B.log(f"wrote {out}")
+    if args.markdown:
+        replace_section(args.markdown, render(result))
+        B.log(f"wrote {args.markdown}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+#!/usr/bin/env python
+"""Per-call overhead of remat on a cache hit: a tiny function, forward + backward.
+
+    python bench/overhead.py                      # 7 rounds x 500 calls, one torch thread
+    python bench/overhead.py --profile            # also cProfile 2,000 remat calls
+    python bench/overhead.py --json out.json
+
+Variants run in interleaved rounds (the order rotates each round), so load from other
+processes hits every variant alike; min and median are per call over the rounds.
+overhead = remat - plain, the time remat's own Python adds to one region call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import time
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import remat
+from remat import policies as P
+
+
+def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w)
+
+
+def variants(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], None]]:
+    """One forward+backward step per variant, each warmed up (remat has traced)."""
+    remat_none = remat.remat(f, policy=None, name="f_none")
+    remat_dots = remat.remat(f, policy=P.dots_saveable, name="f_dots")
+    steps = {
+        "plain": lambda: f(x, w).sum().backward(),
+        "remat None": lambda: remat_none(x, w).sum().backward(),
+        "remat dots": lambda: remat_dots(x, w).sum().backward(),
+        "checkpoint": lambda: checkpoint(f, x, w, use_reentrant=False).sum().backward(),
+    }
+    for step in steps.values():
+        for _ in range(20):
+            step()
+    return steps
+
+
+def per_call_us(step: Callable[[], None], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def measure(steps: dict[str, Callable[[], None]], rounds: int, calls: int) -> dict[str, dict[str, float]]:
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(per_call_us(steps[name], calls))
+    return {name: {"min_us": min(t), "median_us": statistics.median(t)} for name, t in times.items()}
+
+
+def profile(step: Callable[[], None], calls: int, top: int) -> str:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        step()
+    profiler.disable()
+    out = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(top)
+    return out.getvalue()
+
+
+def measure_tiny(rounds: int, calls: int) -> dict[str, dict[str, float]]:
+    """Every variant on 4x4 float32 inputs, and remat's overhead over plain (min, median)."""
+    x = torch.randn(4, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    results = measure(variants(x, w), rounds, calls)
+    for policy in ("remat None", "remat dots"):
+        results[f"overhead ({policy})"] = {k: results[policy][k] - results["plain"][k] for k in ("min_us", "median_us")}
+    return results
+
+
+def render_table(results: dict[str, dict[str, float]]) -> list[str]:
+    """Markdown rows: µs per forward+backward call, and the overhead rows."""
+    lines = ["| `tanh(x @ w)`, 4x4, forward + backward | min µs | median µs |", "|---|---:|---:|"]
+    for name, r in results.items():
+        lines.append(f"| {name}{' - plain' if name.startswith('overhead') else ''} | {r['min_us']:.1f} | {r['median_us']:.1f} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--profile", action="store_true", help="cProfile 2,000 calls of remat (policy None)")
+    parser.add_argument("--json", metavar="PATH")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = measure_tiny(args.rounds, args.calls)
+    print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} rounds x {args.calls} calls, "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"{'variant':<24} {'min µs':>8} {'median µs':>10}")
+    for name, r in results.items():
+        print(f"{name:<24} {r['min_us']:8.1f} {r['median_us']:10.1f}")
+    if args.profile:
+        x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+        print(profile(variants(x, w)["remat None"], 2000, top=15))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"torch": torch.__version__, "threads": args.threads, "rounds": args.rounds,
+                       "calls": args.calls, "loadavg": os.getloadavg()[0], "results": results}, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""The cache hit's fast paths agree with the general ones they stand in for.
+
+A fast path that built a different key than the general path would mean a wrong cache
+hit (a plan traced for other inputs: silently wrong gradients) or needless retraces. So
+the common call's split (all positional arguments plain strided tensors) is compared,
+field by field, with the general optree split over many kinds of calls. No timing here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import remat
+from remat._arguments import Call, _split_flattened, _split_tensor_args, positional_names, split_call
+
+SCALE = torch.tensor(2.0, requires_grad=True)
+OFFSET = 3
+
+
+def two(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w)
+
+
+def reads_globals(x: torch.Tensor) -> torch.Tensor:
+    return x * SCALE + OFFSET
+
+
+def variadic(*xs: torch.Tensor) -> torch.Tensor:
+    return sum(xs)  # type: ignore[return-value]
+
+
+def make_closure(weight: torch.Tensor, power: int) -> Callable[..., torch.Tensor]:
+    def closure(x: torch.Tensor) -> torch.Tensor:
+        return (x @ weight) ** power
+
+    return closure
+
+
+def _fields(call: Call) -> dict[str, Any]:
+    """Every field of a Call, sequences as lists (the fast path shares tuples)."""
+    out = {}
+    for f in dataclasses.fields(call):
+        value = getattr(call, f.name)
+        if f.name == "captured_setters":
+            value = [s is None for s in value]  # fresh closures per call: compare where there is one
+        elif isinstance(value, (list, tuple)) and f.name != "key":
+            value = list(value)
+        out[f.name] = value
+    return out
+
+
+def _assert_same_split(fn: Callable[..., Any], *args: Any) -> Call:
+    names = positional_names(fn)
+    fast = _split_tensor_args(fn, names, args)
+    slow = _split_flattened(fn, names, args, {}, frozenset(), frozenset())
+    assert fast is not None
+    fast_fields, slow_fields = _fields(fast), _fields(slow)
+    tensors_fast = [id(t) for t in fast_fields.pop("tensors") + fast_fields.pop("static_leaves")]
+    tensors_slow = [id(t) for t in slow_fields.pop("tensors") + slow_fields.pop("static_leaves")]
+    assert tensors_fast == tensors_slow
+    assert [id(t) for t in fast_fields.pop("captured")] == [id(t) for t in slow_fields.pop("captured")]
+    assert fast_fields == slow_fields
+    assert hash(fast.key) == hash(slow.key)
+    assert fast.storage_offsets() == slow.storage_offsets()
+    assert fast.key_labels() == slow.key_labels()
+    return fast
+
+
+def _tensors() -> list[torch.Tensor]:
+    base = torch.randn(6, 6)
+    return [
+        torch.randn(4, 4),
+        torch.randn(4, 4, requires_grad=True),
+        torch.randn(4, 4, dtype=torch.float64, requires_grad=True),
+        torch.randn(4, 4, dtype=torch.complex64, requires_grad=True),
+        torch.ones(4, 4, dtype=torch.int64),
+        torch.ones(4, 4, dtype=torch.bool),
+        torch.randn(4, 4).t(),  # transposed strides
+        torch.randn(1, 4).expand(4, 4),  # zero strides
+        base[1:5, 2:6],  # a view at a storage offset
+        torch.nn.Parameter(torch.randn(4, 4)),
+        torch.randn(()),  # 0-d
+        torch.randn(0, 4),  # empty
+        torch.randn(4, 4, device="meta"),
+        torch.randn(2, 3, 4).permute(2, 0, 1),
+    ]
+
+
+@pytest.mark.parametrize("i", range(14))
+@pytest.mark.parametrize("j", [0, 1, 6, 9])
+def test_fast_and_general_split_agree_on_tensor_kinds(i: int, j: int) -> None:
+    tensors = _tensors()
+    _assert_same_split(two, tensors[i], tensors[j])
+
+
+def test_fast_and_general_split_agree_on_closures_globals_and_arity() -> None:
+    x = torch.randn(3, 3, requires_grad=True)
+    _assert_same_split(reads_globals, x)
+    _assert_same_split(make_closure(torch.randn(3, 3, requires_grad=True), 2), x)
+    _assert_same_split(torch.nn.Linear(3, 3), x)
+    for n in (0, 1, 2, 5):
+        _assert_same_split(variadic, *[torch.randn(2) for _ in range(n)])
+    _assert_same_split(two, *[torch.randn(2, 2) for _ in range(3)])  # more than its names: args[2]
+
+
+def test_fast_and_general_split_agree_under_modes_and_transforms() -> None:
+    x = torch.randn(3, 3, requires_grad=True)
+    w = torch.randn(3, 3)
+    with torch.no_grad():
+        _assert_same_split(two, x, w)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _assert_same_split(two, x, w)
+    keys = []
+
+    def under(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        keys.append(_assert_same_split(two, x, w).key)
+        return (x * w).sum()
+
+    torch.func.grad(under)(x.detach(), w)  # x wrapped at a grad level: needs grad there only
+    torch.func.grad(torch.func.grad(lambda x: under(x, w)))(torch.tensor(1.5))
+    torch.func.vmap(lambda x: under(x, w[0]))(torch.randn(2, 3))
+    assert len(keys) == 3 and all(k[-4] for k in keys)  # transforms were active
+    assert keys[0][1][-1] is True  # the wrapped x needs grad at its level
+    assert keys[1][-2] is True  # nested gradients
+
+
+def test_fast_path_declines_what_it_does_not_cover() -> None:
+    names = positional_names(two)
+    x = torch.randn(2, 2)
+
+    class Sub(torch.Tensor):
+        pass
+
+    for args in [(x, 3), (x, None), (x, (x, x)), (x, x.to_sparse()), (x, x.as_subclass(Sub))]:
+        assert _split_tensor_args(two, names, args) is None
+
+
+def test_split_call_takes_the_general_path_for_static_and_keyword_arguments() -> None:
+    x = torch.randn(2, 2)
+    names = positional_names(two)
+    by_keyword = split_call(two, names, (x,), {"w": x}, frozenset(), frozenset())
+    assert by_keyword.leaf_paths == ["x", "w"]
+    static = split_call(two, names, (x, x), {}, frozenset([1]), frozenset())
+    assert len(static.tensors) == 1
+
+
+def test_unstrided_tensors_are_still_refused() -> None:
+    f = remat.remat(two)
+    x = torch.randn(2, 2, requires_grad=True)
+    with pytest.raises(remat.RematError, match="sparse"):
+        f(x, x.detach().to_sparse())
+
+
+def test_results_match_plain_autograd_across_layouts_on_cache_hits() -> None:
+    """Inputs that differ only in strides or storage offset get their own plans, and every
+    cache hit gives plain autograd's gradients."""
+    f = remat.remat(two, policy=remat.policies.dots_saveable)
+    base = torch.randn(6, 6)
+    for _ in range(2):  # the second round hits the cache
+        for x in (torch.randn(4, 4), torch.randn(4, 4).t(), base[1:5, 2:6], torch.randn(1, 4).expand(4, 4)):
+            x = x.detach().requires_grad_()
+            w = torch.randn(4, 4, requires_grad=True)
+            out = f(x, w)
+            expected = two(x, w)
+            torch.testing.assert_close(out, expected)
+            grads = torch.autograd.grad(out.sum(), (x, w))
+            torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (x, w)))
+    assert f.cache_info()["hits"] >= 4
