@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from typing import Any, Callable, Iterator
 
 import torch
@@ -22,9 +23,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from remat.policies import MemoryBudget, Offload
 
 from ._errors import RematError
-from ._nodes import meta_like
+from ._nodes import meta_arguments, meta_like, producer
 from ._partitioning import answer_of
-from ._torch_internals import dispatch_modes_off
+from ._torch_internals import dispatch_modes_off, tracing_node, transforms_active_while_compiling
 
 
 @torch.library.custom_op("remat::checkpoint_name", mutates_args=())
@@ -56,21 +57,40 @@ def name_under_compile(x: Any, name: str) -> Any:
 
 
 class _Decisions:
-    """The selective-checkpoint policy function: the region's policy asked about each op."""
+    """The selective-checkpoint policy function: the region's policy asked about each op.
+
+    A name (the `remat::checkpoint_name` op) is asked about as in eager: with the op that
+    produced the named value and its arguments, and the answer is written on that op's
+    node, overriding the unnamed answer it got; the named copy itself is recomputed (a
+    clone), so the kept value is the producer's output, as in eager.
+    """
 
     def __init__(self, policy: Callable[..., Any] | None, region: str) -> None:
         self.policy = policy
         self.region = region
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if self.policy is None:
+        if self.policy is None or getattr(op, "is_view", False):  # a view is remade from its base, as in eager
             return CheckpointPolicy.PREFER_RECOMPUTE
-        name = None
         if op is NAMED_COPY:
-            args, name = args[:1], args[1]
+            self._name(args[0], args[1])
+            return CheckpointPolicy.PREFER_RECOMPUTE
         with dispatch_modes_off():  # meta tensors made here must not enter the traced graph
             meta_args, meta_kwargs = pytree.tree_map(meta_like, (args, kwargs))
-            answer = answer_of(self.policy, op, meta_args, meta_kwargs, name)
+            return self._tag(op, answer_of(self.policy, op, meta_args, meta_kwargs, None))
+
+    def _name(self, value: torch.Tensor, name: str) -> None:
+        node = tracing_node(value)
+        if node is None or node.op != "call_function":  # a pass that builds no graph, or an input
+            return
+        op_node = producer(node)
+        with dispatch_modes_off():
+            meta_args, meta_kwargs = meta_arguments(op_node)
+            tag = self._tag(op_node.target, answer_of(self.policy, op_node.target, meta_args, meta_kwargs, name))
+        for tagged in [op_node, *(user for user in op_node.users if producer(user) is op_node)]:
+            tagged.meta["recompute"] = tag  # a multi-output op and its items alike, as torch tags them
+
+    def _tag(self, op: Any, answer: Any) -> CheckpointPolicy:
         if isinstance(answer, Offload):
             raise RematError(
                 f"remat({self.region}): policy {self.policy!r} offloads the output of {op} to host memory, "
@@ -91,6 +111,13 @@ def call_under_compile(
     args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> Any:
     """Run `fn` as a torch.utils.checkpoint region whose ops `context` tags."""
+    if transforms_active_while_compiling():
+        raise RematError(
+            f"remat({region}): torch.compile of a torch.func transform (grad, vjp, vmap...) over remat regions is "
+            "not supported: under compile a region is torch.utils.checkpoint, which torch.func transforms "
+            "refuse. Either compile without the transform (torch.compile the model, then .backward()), or "
+            "run the transform eagerly, where remat composes with every torch.func transform."
+        )
     if isinstance(policy, MemoryBudget):
         raise RematError(
             f"remat({region}): {policy!r} chooses what a whole region keeps by tracing it, which remat does "
@@ -98,7 +125,12 @@ def call_under_compile(
             "dots_saveable), or torch._functorch.config.activation_memory_budget, torch's own budget for "
             "compiled graphs."
         )
+    if kwargs.keys() & _CHECKPOINT_OWN_ARGUMENTS:  # the region's own `debug=` must reach it, not checkpoint
+        fn, kwargs = functools.partial(fn, **kwargs), {}
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+
+_CHECKPOINT_OWN_ARGUMENTS = frozenset(inspect.signature(checkpoint).parameters) - {"function", "args", "kwargs"}
 
 
 # Dynamo cannot read a ContextVar (remat's override of every region's policy), so code

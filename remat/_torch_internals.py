@@ -69,13 +69,18 @@ def unwrap_transforms(t: torch.Tensor) -> torch.Tensor:
 
 
 def tracing_node(t: torch.Tensor) -> torch.fx.Node | None:
-    """The FX node make_fx recorded for `t`, or None when not tracing (torch 2.13)."""
+    """The FX node make_fx recorded for `t`, or None when not tracing (torch 2.13). Also
+    under AOTAutograd (torch.compile), whose tensors are FunctionalTensors around the
+    traced ones."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
     from torch.fx.experimental.proxy_tensor import get_innermost_proxy_mode, get_proxy_slot
 
     mode = get_innermost_proxy_mode()
     if mode is None:
         return None
     base = unwrap_transforms(t)
+    if isinstance(base, FunctionalTensor):
+        base = torch._from_functional_tensor(base.elem)
     slot = get_proxy_slot(base, mode.tracer, default=None)
     if slot is None:
         return None
@@ -184,3 +189,10 @@ def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
     from torch._functorch.utils import unwrap_dead_wrappers
 
     return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))  # type: ignore[misc]
+
+
+@torch._dynamo.assume_constant_result
+def transforms_active_while_compiling() -> bool:
+    """Whether a torch.func transform is active, asked while dynamo traces (dynamo cannot
+    call the functorch builtin, so the answer is taken once, at trace time; torch 2.13)."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
