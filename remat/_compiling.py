@@ -73,20 +73,20 @@ class _Decisions:
         if self.policy is None or getattr(op, "is_view", False):  # a view is remade from its base, as in eager
             return CheckpointPolicy.PREFER_RECOMPUTE
         if op is NAMED_COPY:
-            self._name(args[0], args[1])
+            self._name(self.policy, args[0], args[1])
             return CheckpointPolicy.PREFER_RECOMPUTE
         with dispatch_modes_off():  # meta tensors made here must not enter the traced graph
             meta_args, meta_kwargs = pytree.tree_map(meta_like, (args, kwargs))
             return self._tag(op, answer_of(self.policy, op, meta_args, meta_kwargs, None))
 
-    def _name(self, value: torch.Tensor, name: str) -> None:
+    def _name(self, policy: Callable[..., Any], value: torch.Tensor, name: str) -> None:
         node = tracing_node(value)
         if node is None or node.op != "call_function":  # a pass that builds no graph, or an input
             return
         op_node = producer(node)
         with dispatch_modes_off():
             meta_args, meta_kwargs = meta_arguments(op_node)
-            tag = self._tag(op_node.target, answer_of(self.policy, op_node.target, meta_args, meta_kwargs, name))
+            tag = self._tag(op_node.target, answer_of(policy, op_node.target, meta_args, meta_kwargs, name))
         for tagged in [op_node, *(user for user in op_node.users if producer(user) is op_node)]:
             tagged.meta["recompute"] = tag  # a multi-output op and its items alike, as torch tags them
 
