@@ -41,6 +41,7 @@ import bench_remat as B  # noqa: E402
 import overhead as O  # noqa: E402
 
 import remat  # noqa: E402
+from remat import policies as P  # noqa: E402
 
 SECTION_START, SECTION_END = B.SECTION_START, B.SECTION_END
 
@@ -143,12 +144,7 @@ def measure_lengths(device: torch.device, lengths: list[int]) -> dict[str, Any]:
             if compiled:
                 forward = torch.compile(forward, fullgraph=True, backend="inductor")
             wrapped = getattr(call, "cache_info", None)
-            gc.collect()
-            start = time.perf_counter()
-            for x in batches:
-                out = forward(x, base.layers)
-                torch.autograd.grad(out.pow(2).mean(), [x, *[t for p in base.layers for t in p.values()]])
-            total = time.perf_counter() - start
+            total = _loop(forward, batches, base.layers)
             key = f"{name} ({'compiled' if compiled else 'eager'})"
             rows[key] = {
                 "variant": name, "compiled": compiled, "total_s": total,
@@ -156,7 +152,23 @@ def measure_lengths(device: torch.device, lengths: list[int]) -> dict[str, Any]:
                 "dynamo_graphs": int(counters["stats"]["unique_graphs"]) if compiled else None,
             }
             B.log(f"lengths: {key}: {total:.1f} s {rows[key]}")
+    torch._dynamo.reset()
+    counters.clear()
+    dynamic = remat.remat(base.block, policy=P.dots_saveable, dynamic=True)
+    rows["dynamic"] = {"variant": "remat_dots_saveable", "total_s": _loop(_stack(dynamic), batches, base.layers),
+                       "dynamo_graphs": int(counters["stats"]["unique_graphs"])}
+    B.log(f"lengths: remat dots_saveable dynamic=True (eager): {rows['dynamic']}")
     return {"lengths": lengths, "layers": size.layers, "d_model": size.d_model, "batch": size.batch, "rows": rows}
+
+
+def _loop(forward: Callable[..., torch.Tensor], batches: list[torch.Tensor], layers: list[dict[str, torch.Tensor]]) -> float:
+    """Seconds for one training pass over `batches`, gradients of inputs and parameters."""
+    gc.collect()
+    start = time.perf_counter()
+    for x in batches:
+        out = forward(x, layers)
+        torch.autograd.grad(out.pow(2).mean(), [x, *[t for p in layers for t in p.values()]])
+    return time.perf_counter() - start
 
 
 def _eager_and_compiled(rows: dict[str, dict[str, Any]]) -> Iterator[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -203,9 +215,11 @@ def render(result: dict[str, Any]) -> str:
         "| variant | eager total s | eager remat traces | compiled total s | compiled graphs |",
         "|---|---:|---:|---:|---:|",
     ]
-    for label, eager, compiled in _eager_and_compiled(v["rows"]):
+    dynamic = v["rows"]["dynamic"]
+    for label, eager, compiled in _eager_and_compiled({k: row for k, row in v["rows"].items() if k != "dynamic"}):
         traces = "" if eager["remat_traces"] is None else str(eager["remat_traces"])
         lines.append(f"| {label} | {eager['total_s']:.2f} | {traces} | {compiled['total_s']:.2f} | {compiled['dynamo_graphs']} |")
+    lines.append(f"| remat dots_saveable, `dynamic=True` (eager model) | {dynamic['total_s']:.2f} | {dynamic['dynamo_graphs']} graphs |  |  |")
     lines += ["", "**Per-call overhead of a cache hit** (bench/overhead.py's measurement, same run):", ""]
     lines += O.render_table(result["overhead"])
     lines += ["", SECTION_END]

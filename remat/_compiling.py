@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import types
 from typing import Any, Callable, Iterator
 
 import torch
@@ -154,3 +155,16 @@ def overriding_under_compile(policy: Callable[..., Any] | None, no_remat: bool) 
         yield
     finally:
         _override = previous
+
+
+def compiled_region(call: Callable[[tuple[Any, ...], dict[str, Any]], Any], region: str) -> Callable[..., Any]:
+    """`call(args, kwargs)` under torch.compile with the aot_eager backend (no code
+    generation) and automatic dynamic shapes, in a function of its own: dynamo caches
+    compiled code per code object, so each region gets a fresh one (else every region
+    would share one cache and its recompile limit)."""
+
+    def run(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return call(args, kwargs)
+
+    own = types.FunctionType(run.__code__.replace(co_name=f"remat_{region}"[:80]), run.__globals__, closure=run.__closure__)
+    return torch.compile(own, backend="aot_eager")  # type: ignore[no-any-return]

@@ -75,6 +75,7 @@ def checkpoint_layers(
     spec: PolicySpec,
     prefix: str | None = None,
     budget: int | float | None = None,
+    dynamic: bool = False,
 ) -> list[Any]:
     """Rematerialize each module of a stack with its own policy, in place.
 
@@ -86,6 +87,8 @@ def checkpoint_layers(
 
     `budget` (bytes, or a fraction of what keeping everything would keep) is spread evenly
     over the layers `spec` does not mark "no remat": each gets `memory_budget(its share)`.
+    `dynamic=True` gives every layer `remat(..., dynamic=True)` (sizes that vary, such as
+    sequence lengths, are traced symbolic once they change).
     """
     modules = list(layers)
     schedule = policy_schedule(spec, len(modules))
@@ -100,6 +103,6 @@ def checkpoint_layers(
         if _is_no_remat(policy):
             module.forward = original  # type: ignore[method-assign]
         else:
-            module.forward = remat(original, policy=policy, name=name)  # type: ignore[method-assign]
+            module.forward = remat(original, policy=policy, name=name, dynamic=dynamic)  # type: ignore[method-assign]
     return schedule
 

@@ -17,13 +17,14 @@ from ._chaining import Chain, Runnable, split_at_outputs
 from ._compiling import (
     call_under_compile,
     compiled_override,
+    compiled_region,
     overriding_under_compile,
     selective_context,
 )
 from ._executing import Plan
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
-from ._torch_internals import copy_into, forward_ad_active, nested_gradients
+from ._torch_internals import copy_into, forward_ad_active, nested_gradients, transforms_active
 from ._tracing import Captured, capture, differentiate, inside_trace, nested_region
 
 
@@ -96,6 +97,7 @@ class Rematerialized:
         debug: bool = False,
         cache_size: int = DEFAULT_CACHE_SIZE,
         name: str | None = None,
+        dynamic: bool = False,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"remat: expected a function or nn.Module to wrap, got {fn!r}")
@@ -124,6 +126,10 @@ class Rematerialized:
         self.region = name or region_name(fn)
         self._names = positional_names(fn)
         self._compile_context = selective_context(policy, self.region)
+        if not isinstance(dynamic, bool):
+            raise TypeError(f"remat: dynamic must be True or False, got {dynamic!r}")
+        self.dynamic = dynamic
+        self._dynamic_region: Callable[..., Any] | None = None
         self._plans = self._plans_for(policy)
         self._hits = 0
         self._traces = 0
@@ -148,6 +154,7 @@ class Rematerialized:
         """Pickled without its plans (traced graphs are a cache, rebuilt on first call)."""
         state = dict(self.__dict__)
         del state["_plans"]
+        state["_dynamic_region"] = None
         state["_hits"] = state["_traces"] = 0
         return state
 
@@ -168,6 +175,8 @@ class Rematerialized:
             # autograd.Function's jvp rule cannot make exact under every nesting of
             # transforms: run the function as it is, exactly as without remat.
             return self.fn(*args, **kwargs)
+        if self.dynamic and not transforms_active():
+            return self._call_dynamic(args, kwargs)
         plans = self._plans if override is None else self._plans_for(policy)
         call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames)
         plan = plans.lookup(call.key, call.storage_offsets)
@@ -198,6 +207,16 @@ class Rematerialized:
             return self.fn(*args, **kwargs)
         policy, context = (self.policy, self._compile_context) if override is None else override
         return call_under_compile(self.fn, policy, self.region, context, args, kwargs)
+
+    def _call_dynamic(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """dynamic=True: the region through torch.compile (aot_eager: torch's own tracing
+        and partitioner, no code generation), lowered as under any torch.compile, so a
+        size that changes is traced symbolic on its second value (automatic dynamic
+        shapes) instead of once per value."""
+        if self._dynamic_region is None:
+            self._dynamic_region = compiled_region(self._call_under_compile, self.region)
+        self._hits += 1
+        return self._dynamic_region(args, kwargs)
 
     def _plans_for(self, policy: Callable[..., bool] | None) -> PlanCache:
         settings = (policy, self.static_argnums, self.static_argnames, self.debug, self.region)
@@ -256,6 +275,7 @@ def remat(
     debug: bool = False,
     cache_size: int = DEFAULT_CACHE_SIZE,
     name: str | None = None,
+    dynamic: bool = False,
 ) -> Any:
     """Rematerialize `fn`: keep only what `policy` allows for backward, recompute the rest.
 
@@ -286,13 +306,19 @@ def remat(
 
     `name` names the region in reports and errors (default: the function's qualified name);
     `checkpoint_layers` names each layer by its place in the stack.
+
+    `dynamic=True` is for inputs whose sizes vary (sequence lengths): outside torch.func
+    transforms the region runs through torch.compile's machinery (aot_eager backend, the
+    lowering used under torch.compile), which traces a size symbolic once it has changed,
+    so many lengths cost two traces, not one each. Under torch.func transforms it traces
+    per shape as usual.
     """
     if fn is None:
         return functools.partial(
             remat, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames, debug=debug,
-            cache_size=cache_size, name=name,
+            cache_size=cache_size, name=name, dynamic=dynamic,
         )
-    wrapped = Rematerialized(fn, policy, static_argnums, static_argnames, debug, cache_size, name)
+    wrapped = Rematerialized(fn, policy, static_argnums, static_argnames, debug, cache_size, name, dynamic)
     return RematerializedModule(fn, wrapped) if isinstance(fn, torch.nn.Module) else wrapped
 
 

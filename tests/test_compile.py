@@ -185,6 +185,63 @@ def test_new_sequence_lengths_compile_once_more_with_a_symbolic_length(name: str
     assert counters["stats"]["unique_graphs"] == 2
 
 
+def test_remat_dynamic_traces_twice_for_many_lengths_and_stays_exact() -> None:
+    """remat(fn, dynamic=True) in an eager model: the second length compiles with the
+    length symbolic, later lengths reuse it; dropout draws, values and gradients equal no
+    remat, and each length keeps what eager remat keeps. Under torch.func it traces as
+    usual (per shape)."""
+    from torch._dynamo.utils import counters
+
+    block = remat.remat(_block, policy=OP_POLICIES["dots_or_names"], static_argnums=2, dynamic=True)
+    per_shape = remat.remat(_block, policy=OP_POLICIES["dots_or_names"], static_argnums=2)
+    weights = _weights()
+
+    def stack(f: Callable[..., torch.Tensor], dropout: float) -> Callable[..., torch.Tensor]:
+        def run(x: torch.Tensor, weights: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+            for w in weights:
+                x = f(x, w, dropout)
+            return x
+
+        return run
+
+    counters.clear()
+    for length in (8, 5, 11, 16):
+        x = torch.randn(2, length, D, dtype=torch.float64, requires_grad=True)
+        assert_close(_step(stack(block, DROPOUT), x, weights), _step(stack(_block, DROPOUT), x, weights))
+    assert counters["stats"]["unique_graphs"] == 2
+    for length in (8, 11):
+        x = torch.randn(2, length, D, dtype=torch.float64, requires_grad=True)
+        assert _kept(stack(block, 0.0), x, weights)[0] == _kept(stack(per_shape, 0.0), x, weights)[0]
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    traces = block.cache_info()["traces"]
+    actual = torch.func.grad(lambda x: stack(block, 0.0)(x, weights).sum())(x)
+    assert_close(actual, torch.func.grad(lambda x: stack(_block, 0.0)(x, weights).sum())(x))
+    assert block.cache_info()["traces"] == traces + 1
+
+
+def test_each_dynamic_region_compiles_apart_from_the_others() -> None:
+    """dynamo caches per code object with a recompile limit (8); twelve regions of the same
+    function must each get their own compiled code, not evict one another."""
+    from torch._dynamo.utils import counters
+
+    blocks = [remat.remat(_block, policy=P.dots_saveable, static_argnums=2, dynamic=True) for _ in range(12)]
+    weights = _weights(1)[0]
+    x = torch.randn(2, 8, D, dtype=torch.float64, requires_grad=True)
+
+    def run() -> torch.Tensor:
+        h = x
+        for _ in range(2):
+            for block in blocks:
+                h = block(h, weights, 0.0)
+        return torch.autograd.grad(h.sum(), weights["up"])[0]
+
+    counters.clear()
+    actual = run()
+    assert counters["stats"]["unique_graphs"] == 12
+    with remat.without_remat():
+        assert_close(actual, run())
+
+
 @pytest.mark.parametrize("override", ["using_policy", "without_remat"])
 def test_overrides_apply_to_compiled_code_and_recompile_when_they_change(override: str) -> None:
     """Expected under using_policy: what eager remat keeps with that policy; under
