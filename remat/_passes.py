@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 
-from ._nodes import BACKWARD_KEY, USER_DETACH_KEY, comes_after
+from ._nodes import BACKWARD_KEY, USER_DETACH_KEY, comes_after, is_view
 
 _aten = torch.ops.aten
 
@@ -279,10 +279,60 @@ def check_invariants(gm: torch.fx.GraphModule, allow_input_copies: bool = False)
     gm.graph.lint()
 
 
-def check_layouts(gm: torch.fx.GraphModule) -> None:
-    """Raise AssertionError naming the node when an op node's recorded value (shape, dtype,
-    strides) is not what the op gives, on fake tensors, for its recorded inputs: a rewrite
-    that built a node with the wrong metadata would make the graph run otherwise than traced."""
+def writes_out_of_place(gm: torch.fx.GraphModule) -> bool:
+    """Before functionalization: each in-place write to a fresh value nothing aliases
+    (`a.sub_(b)` where `a` is an op's own result, read by no view, written once, as
+    autograd's formulas do) becomes its out-of-place twin, and the readers after the write
+    read the twin. True when no write is left, so the whole-graph functionalizing retrace
+    can be skipped; False, with the graph untouched, when any write is of another kind."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    twins = []
+    for node in gm.graph.nodes:
+        if writes_in_place(node):
+            twin = _out_of_place_twin(node)
+            if twin is None:
+                return False
+            twins.append((node, twin))
+    for node, twin in twins:
+        written = node.args[0]
+        for user in list(written.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(written, node)
+        node.target = twin
+    gm.graph.lint()
+    gm.recompile()
+    return True
+
+
+def _out_of_place_twin(node: torch.fx.Node) -> Any:
+    """`aten.X.overload` for a node `aten.X_.overload(a, ...)` that writes only `a`, when `a`
+    is fresh and unaliased and the twin gives a value laid out as `a` (no type promotion,
+    same strides); else None."""
+    op = node.target
+    schema = op._schema  # type: ignore[union-attr]
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if not (schema.name.startswith("aten::") and schema.name.endswith("_")) or written != schema.arguments[:1]:
+        return None
+    if torch.Tag.nondeterministic_seeded in op.tags:  # type: ignore[union-attr]
+        return None  # random fills have their own pass
+    packet = getattr(_aten, schema.name[len("aten::"):-1], None)
+    twin = getattr(packet, op._overloadname, None) if packet is not None else None  # type: ignore[union-attr]
+    if twin is None or twin._schema.is_mutable or [a.name for a in twin._schema.arguments] != [a.name for a in schema.arguments]:
+        return None
+    target = node.args[0]
+    if not isinstance(target, torch.fx.Node) or target.op != "call_function" or is_view(target):
+        return None
+    if any(is_view(user) or (writes_in_place(user) and user is not node) for user in target.users):
+        return None  # an alias would see the write, or a second write
+    value, before = _value_on_fakes(node, twin), target.meta.get("val")
+    if not (isinstance(value, torch.Tensor) and isinstance(before, torch.Tensor) and _same_layout(value, before)):
+        return None
+    return twin
+
+
+def _value_on_fakes(node: torch.fx.Node, op: Any) -> Any:
+    """What `op` gives for the node's recorded arguments, on fake tensors (None if they
+    cannot stand for them)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -296,22 +346,33 @@ def check_layouts(gm: torch.fx.GraphModule) -> None:
             return val
         return value
 
+    try:
+        args, kwargs = torch.fx.map_arg((node.args, node.kwargs), fake)
+        with mode:
+            return op(*args, **kwargs)
+    except Exception:  # an argument fake tensors cannot stand for
+        return None
+
+
+def _same_layout(value: torch.Tensor, recorded: torch.Tensor) -> bool:
+    same = value.shape == recorded.shape and value.dtype == recorded.dtype
+    return same and all(n == 1 or a == b for n, a, b in zip(value.shape, value.stride(), recorded.stride()))
+
+
+def check_layouts(gm: torch.fx.GraphModule) -> None:
+    """Raise AssertionError naming the node when an op node's recorded value (shape, dtype,
+    strides) is not what the op gives, on fake tensors, for its recorded inputs: a rewrite
+    that built a node with the wrong metadata would make the graph run otherwise than traced."""
     for node in gm.graph.nodes:
         if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             continue
         recorded = node.meta.get("val")
         if not isinstance(recorded, torch.Tensor) or recorded.layout != torch.strided:  # sparse: no strides
             continue
-        try:
-            args, kwargs = torch.fx.map_arg((node.args, node.kwargs), fake)
-            with mode:
-                value = node.target(*args, **kwargs)
-        except Exception:  # an argument fake tensors cannot stand for
-            continue
+        value = _value_on_fakes(node, node.target)
         if not isinstance(value, torch.Tensor):
             continue
-        same = value.shape == recorded.shape and value.dtype == recorded.dtype
-        same = same and all(n == 1 or a == b for n, a, b in zip(value.shape, value.stride(), recorded.stride()))
+        same = _same_layout(value, recorded)
         if not same and value.numel():
             raise AssertionError(
                 f"layout not as traced: {node.format_node()} records {recorded.dtype}{list(recorded.shape)} "

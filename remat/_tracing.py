@@ -43,7 +43,7 @@ from ._nodes import (
     is_view,
     producer,
 )
-from ._passes import inner_backwards_as_eager, random_fills_in_memory_order, rrelu_as_product
+from ._passes import inner_backwards_as_eager, random_fills_in_memory_order, rrelu_as_product, writes_out_of_place
 from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
 from ._torch_internals import (
     autograd_engine_running,
@@ -517,9 +517,11 @@ def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     Autograd's backward formulas write in place (`diagonal(g).mul_(0.5)` in qr's); a graph
     with in-place ops is wrong once its dead-looking writes are pruned, and not vmap-safe.
-    A graph without any op that writes is returned as it is (the retrace would copy it).
+    A graph whose only writes are to fresh, unaliased values is rewritten in place instead
+    (`writes_out_of_place`; the retrace costs as much as tracing), and one without writes
+    is returned as it is.
     """
-    if not any(_writes(node) for node in gm.graph.nodes):
+    if writes_out_of_place(gm):
         return gm
     def run(*flat: torch.Tensor) -> Any:
         with preserve_node_meta():
@@ -534,12 +536,6 @@ def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             tracing_mode="fake",
             _allow_non_fake_inputs=True,
         )(*examples)
-
-
-def _writes(node: torch.fx.Node) -> bool:
-    """Whether the node's op mutates an argument (in place, out=, or a mutable custom op)."""
-    op = node.target
-    return node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and op._schema.is_mutable
 
 
 def _differentiable_copy(target: torch.Tensor, source: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

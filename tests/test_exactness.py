@@ -411,3 +411,67 @@ def test_an_unread_random_op_still_advances_the_random_stream() -> None:
 
     x, w = _leaf(5, 4), _leaf(4, 4)
     assert_close(_run_seeded(remat(fn), x, w), _run_seeded(fn, x, w))
+
+
+# ---------------------------------------------------------------- writes rewritten without a retrace
+
+
+def _writes_fresh(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x @ w
+    h.mul_(2)  # a fresh value, written once: rewritten out of place
+    return torch.tanh(h) * h
+
+
+def _writes_through_a_view(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x @ w
+    h[:, 0].mul_(2)  # the write goes through a view
+    return torch.tanh(h)
+
+
+def _writes_an_aliased_value(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x @ w
+    v = h.view(-1)
+    h.add_(1)  # `v` must see the write
+    return torch.tanh(v).sum() * h
+
+
+def _writes_twice(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = x @ w
+    h.add_(1)
+    h.mul_(3)  # traced as a write to the first write's result: a chain, rewritten link by link
+    return torch.tanh(h)
+
+
+def _writes_with_promotion(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = (x @ w).float()
+    h.add_(x)  # float32 += float64 stays float32; the out-of-place add would promote
+    return h.double() * x
+
+
+@pytest.mark.parametrize(
+    "fn, rewritten",
+    [(_writes_fresh, True), (_writes_through_a_view, False), (_writes_an_aliased_value, False),
+     (_writes_twice, True), (_writes_with_promotion, False)],
+    ids=["fresh", "through_view", "aliased", "twice", "promotion"],
+)
+def test_writes_to_fresh_values_are_rewritten_and_others_functionalized(
+    fn: Callable[..., torch.Tensor], rewritten: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 1 rewrites a write to a fresh, unaliased value out of place instead of
+    retracing the graph through functionalization; any other write takes the retrace.
+    Either way the values and gradients are those of no remat."""
+    import remat._passes as passes
+    import remat._tracing as tracing
+
+    answers: list[bool] = []
+
+    def spy(gm: torch.fx.GraphModule) -> bool:
+        answers.append(passes.writes_out_of_place(gm))
+        return answers[-1]
+
+    monkeypatch.setattr(tracing, "writes_out_of_place", spy)
+    x, w = _leaf(4, 4), _leaf(4, 4)
+    for policy in (None, P.everything_saveable):
+        out = remat(fn, policy=policy)(x, w)
+        assert_close((out, torch.autograd.grad(out.sum(), [x, w])), (fn(x, w), torch.autograd.grad(fn(x, w).sum(), [x, w])))
+    assert answers[0] is rewritten  # stage 1 of the first trace
