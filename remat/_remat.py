@@ -10,6 +10,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import optree
 import torch
 
+from remat.policies import MemoryBudget
+
 from ._arguments import Call, positional_names, split_call
 from ._budget import budget_of
 from ._caching import DEFAULT_CACHE_SIZE, MISSING, TRACE_LOCK, PlanCache, clear_cache, plan_cache
@@ -128,6 +130,12 @@ class Rematerialized:
         self._compile_context = selective_context(policy, self.region)
         if not isinstance(dynamic, bool):
             raise TypeError(f"remat: dynamic must be True or False, got {dynamic!r}")
+        if dynamic and (debug or isinstance(policy, MemoryBudget)):
+            raise ValueError(
+                f"remat({self.region}): dynamic=True runs the region through torch.compile's lowering, where "
+                f"{'debug=True' if debug else repr(policy)} cannot apply (it needs remat's own trace of the region). "
+                "Drop dynamic=True, or use an op-by-op policy without debug."
+            )
         self.dynamic = dynamic
         self._dynamic_region: Callable[..., Any] | None = None
         self._plans = self._plans_for(policy)

@@ -219,6 +219,13 @@ def test_remat_dynamic_traces_twice_for_many_lengths_and_stays_exact() -> None:
     assert block.cache_info()["traces"] == traces + 1
 
 
+@pytest.mark.parametrize("setting", ["budget", "debug"])
+def test_dynamic_with_an_eager_only_setting_is_refused_when_made(setting: str) -> None:
+    kwargs = {"policy": P.memory_budget(0.5)} if setting == "budget" else {"debug": True}
+    with pytest.raises(ValueError, match=r"dynamic=True runs the region through torch\.compile's lowering.*Drop dynamic=True"):
+        remat.remat(_block, dynamic=True, **kwargs)
+
+
 def test_each_dynamic_region_compiles_apart_from_the_others() -> None:
     """dynamo caches per code object with a recompile limit (8); twelve regions of the same
     function must each get their own compiled code, not evict one another."""
