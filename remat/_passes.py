@@ -315,6 +315,8 @@ def _out_of_place_twin(node: torch.fx.Node) -> Any:
         return None
     if torch.Tag.nondeterministic_seeded in op.tags:  # type: ignore[union-attr]
         return None  # random fills have their own pass
+    if op is _aten.copy_.default:
+        return None  # aten.copy has no derivative: functionalizing replaces it with a differentiable form
     packet = getattr(_aten, schema.name[len("aten::"):-1], None)
     twin = getattr(packet, op._overloadname, None) if packet is not None else None  # type: ignore[union-attr]
     if twin is None or twin._schema.is_mutable or [a.name for a in twin._schema.arguments] != [a.name for a in schema.arguments]:

@@ -448,11 +448,17 @@ def _writes_with_promotion(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return h.double() * x
 
 
+def _copies_into_a_fresh_value(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    out.copy_(x @ w)  # aten.copy has no derivative: this write must take the retrace (found by OpInfo `diff`)
+    return torch.tanh(out)
+
+
 @pytest.mark.parametrize(
     "fn, rewritten",
     [(_writes_fresh, True), (_writes_through_a_view, False), (_writes_an_aliased_value, False),
-     (_writes_twice, True), (_writes_with_promotion, False)],
-    ids=["fresh", "through_view", "aliased", "twice", "promotion"],
+     (_writes_twice, True), (_writes_with_promotion, False), (_copies_into_a_fresh_value, False)],
+    ids=["fresh", "through_view", "aliased", "twice", "promotion", "copy"],
 )
 def test_writes_to_fresh_values_are_rewritten_and_others_functionalized(
     fn: Callable[..., torch.Tensor], rewritten: bool, monkeypatch: pytest.MonkeyPatch
