@@ -20,8 +20,8 @@ def checkpoint_name(x: T, name: str) -> T:
     Outside a remat trace this is the identity (free, differentiable, fine under vmap).
     While remat traces a function, the name is written on the graph node that produced
     the tensor, where `save_only_these_names("name")` and friends look for it.
-    Under torch.compile it is a copy made by the op `remat::checkpoint_name`, whose
-    output the policy is asked about with the name.
+    Under torch.compile it is the op `remat::checkpoint_name` (a copy), through which the
+    name reaches the node that produced the tensor, as in eager.
 
     >>> import torch
     >>> from remat import checkpoint_name

@@ -9,6 +9,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+from torch._functorch.utils import unwrap_dead_wrappers
 
 
 def clear_transforms() -> contextlib.AbstractContextManager[Any]:
@@ -186,8 +187,6 @@ def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
     (torch 2.13, autograd/function.py Function.apply)."""
     if torch._C._are_functorch_transforms_active():
         return function.apply(*args)
-    from torch._functorch.utils import unwrap_dead_wrappers
-
     return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))  # type: ignore[misc]
 
 
@@ -195,4 +194,4 @@ def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
 def transforms_active_while_compiling() -> bool:
     """Whether a torch.func transform is active, asked while dynamo traces (dynamo cannot
     call the functorch builtin, so the answer is taken once, at trace time; torch 2.13)."""
-    return torch._C._functorch.peek_interpreter_stack() is not None
+    return transforms_active()

@@ -523,6 +523,7 @@ def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """
     if writes_out_of_place(gm):
         return gm
+
     def run(*flat: torch.Tensor) -> Any:
         with preserve_node_meta():
             return _CarryMeta(gm).run(*flat)
