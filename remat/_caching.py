@@ -15,6 +15,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ._sharing import clear_shared_plans
+
 TRACE_LOCK = threading.RLock()
 DEFAULT_CACHE_SIZE = 64  # plans per function and policy; the least recently used goes first
 RETRACE_WARNING_AFTER = 8  # traces of one function before the first warning (then 16, 32, ...)
@@ -148,3 +150,5 @@ def clear_cache(fn: Callable[..., Any] | None = None) -> None:
             caches = list(_STORES.get(owner, {}).values())
         for cache in caches:
             cache.clear()
+        if fn is None:
+            clear_shared_plans()

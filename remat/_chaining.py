@@ -20,6 +20,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import torch
 
 from ._nodes import is_random
+from ._torch_internals import graph_module
 from ._tracing import Captured
 
 
@@ -146,4 +147,4 @@ def _subgraph(
         if node.op not in ("placeholder", "output") and node in keep and node not in env:
             env[node] = new.node_copy(node, env.__getitem__)
     new.output([env[o] if isinstance(o, torch.fx.Node) else o for o in outputs])
-    return torch.fx.GraphModule(gm, new)
+    return graph_module(gm, new)

@@ -8,6 +8,7 @@ forward-mode AD a region runs its function as it is (see Rematerialized.__call__
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -58,6 +59,13 @@ class Plan:
         if checked:
             self._layouts_checked.add(id(gm))
         return outputs
+
+    def for_capture(self, captured: Captured, region: str) -> Plan:
+        """This plan for another region whose stage-1 graph is the same (`_sharing`): the
+        partitioned graphs are shared, names and captured tensors are the other region's."""
+        return dataclasses.replace(
+            self, captured=captured, region=region, _higher_order=None, extra_inputs=list(self.extra_inputs)
+        )  # the set of graphs whose layouts were checked is shared: the same graphs, inputs laid out alike
 
     def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run the region: its outputs, the new values of mutated inputs, then kept values."""

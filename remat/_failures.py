@@ -7,7 +7,9 @@ line of the user's code, why it cannot be traced and what to do instead.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 import traceback
 from typing import Any, Sequence
 
@@ -41,9 +43,26 @@ _STATIC_HINT = (
 def user_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary | None:
     """The innermost frame outside torch, optree and remat: the user's line."""
     for frame in reversed(frames):
-        if not frame.filename.startswith(_LIBRARY_DIRS) and "<frozen" not in frame.filename:
+        if not _is_library_file(frame.filename):
             return frame
     return None
+
+
+def user_line() -> str | None:
+    """`file:line` of the innermost calling frame outside torch, optree and remat, read off
+    the live frames (no source lookup, unlike traceback.extract_stack: it runs per traced op)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not _is_library_file(filename):
+            return f"{os.path.basename(filename)}:{frame.f_lineno}"
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+@functools.lru_cache(maxsize=4096)
+def _is_library_file(filename: str) -> bool:
+    return filename.startswith(_LIBRARY_DIRS) or "<frozen" in filename
 
 
 def describe_frame(frame: traceback.FrameSummary | None) -> str:

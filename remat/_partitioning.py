@@ -42,6 +42,7 @@ from ._passes import (
     shape_only_factories,
 )
 from ._randomness import RNG_KEY, capture_rng_state, replay_random, state_shape
+from ._torch_internals import graph_module
 from ._tracing import Scope
 
 Decide = Callable[[torch.fx.Node], "bool | Offload"]  # may keep / recompute / keep in host memory
@@ -199,7 +200,7 @@ def partition(
         for node in graph.nodes:
             if node in keep_forward:
                 if lowered and node in replayed:
-                    states.append(_capture_state(forward_graph, node))
+                    states.append(_capture_state(forward_graph, node, env))
                 env[node] = forward_graph.node_copy(node, env.__getitem__)
         forward_outputs = [
             _distinct_output(forward_graph, env[o], o in input_set or outs.index(o) < i) for i, o in enumerate(outs)
@@ -281,9 +282,11 @@ def _device_of(node: torch.fx.Node) -> torch.device:
     return (val[0] if isinstance(val, (tuple, list)) else val).device
 
 
-def _capture_state(graph: torch.fx.Graph, node: torch.fx.Node) -> torch.fx.Node:
-    """A node that snapshots the generator `node` is about to draw from."""
-    state = graph.call_function(capture_rng_state, (_device_of(node), node.kwargs.get("generator")))
+def _capture_state(graph: torch.fx.Graph, node: torch.fx.Node, env: dict[torch.fx.Node, torch.fx.Node]) -> torch.fx.Node:
+    """A node that snapshots the generator `node` is about to draw from (a generator passed
+    to the op is a get_attr node of the graph: `env` has its copy)."""
+    generator = torch.fx.map_arg(node.kwargs.get("generator"), env.__getitem__)
+    state = graph.call_function(capture_rng_state, (_device_of(node), generator))
     state.meta = {"val": torch.empty(state_shape(_device_of(node)), dtype=torch.uint8, device="meta")}
     return state
 
@@ -329,7 +332,7 @@ def _module(root: torch.fx.GraphModule, graph: torch.fx.Graph) -> torch.fx.Graph
     for node in graph.nodes:
         if node.op == "call_function" and node.target in _STRIDE_SENSITIVE_VIEWS:
             node.target = torch.ops.aten.reshape.default
-    return torch.fx.GraphModule(root, graph)
+    return graph_module(root, graph)
 
 
 def _distinct_output(graph: torch.fx.Graph, node: torch.fx.Node, needs_alias: bool) -> torch.fx.Node:

@@ -20,6 +20,7 @@ import torch
 import torch.fx
 
 from ._nodes import BACKWARD_KEY, USER_DETACH_KEY, comes_after, is_view
+from ._torch_internals import new_fake_mode
 
 _aten = torch.ops.aten
 
@@ -335,9 +336,7 @@ def _out_of_place_twin(node: torch.fx.Node) -> Any:
 def _value_on_fakes(node: torch.fx.Node, op: Any) -> Any:
     """What `op` gives for the node's recorded arguments, on fake tensors (None if they
     cannot stand for them)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = new_fake_mode()
 
     def fake(value: Any) -> Any:
         if isinstance(value, torch.fx.Node):

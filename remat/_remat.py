@@ -26,7 +26,14 @@ from ._compiling import (
 from ._executing import Plan
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
-from ._torch_internals import copy_into, forward_ad_active, nested_gradients, transforms_active
+from ._sharing import graph_signature, share_plan, shared_plan
+from ._torch_internals import (
+    copy_into,
+    fake_tensor_cache_bounded,
+    forward_ad_active,
+    nested_gradients,
+    transforms_active,
+)
 from ._tracing import Captured, capture, differentiate, inside_trace, nested_region
 
 
@@ -232,9 +239,18 @@ class Rematerialized:
 
     def _build(self, call: Call, policy: Callable[..., bool] | None) -> Runnable | None:
         self._traces += 1
-        captured = capture(self.fn, self.region, call, policy)
-        warn_unmatched_references(captured.scopes, captured.graph.graph)
-        return self._plan(captured, captured.mutated)
+        with fake_tensor_cache_bounded():
+            captured = capture(self.fn, self.region, call, policy)
+            warn_unmatched_references(captured.scopes, captured.graph.graph)
+            signature = graph_signature(captured)
+            key = None if signature is None else (signature, self.debug, transforms_active(), nested_gradients())
+            shared = None if key is None else shared_plan(key)
+            if shared is not None:  # another region traced the same graph: reuse its partition
+                return shared.for_capture(captured, self.region)  # type: ignore[no-any-return]
+            plan = self._plan(captured, captured.mutated)
+            if key is not None and isinstance(plan, Plan):
+                share_plan(key, plan)
+            return plan
 
     def _plan(self, captured: Captured, updated: Sequence[int]) -> Runnable | None:
         """A Plan for the captured graph, or a Chain of plans where outputs feed other

@@ -5,8 +5,10 @@ Checked on torch 2.13.0. If a torch upgrade breaks remat, this file is where to 
 
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Any, Iterator
+import itertools
+from typing import Any, Callable, Iterator
 
 import torch
 from torch._functorch.utils import unwrap_dead_wrappers
@@ -145,20 +147,69 @@ def saved_tensor_hooks_suspended() -> Iterator[None]:
             hooks._push_saved_tensors_default_hooks(pack, unpack)
 
 
-def fake_tensor_cache_off() -> contextlib.AbstractContextManager[Any]:
-    """Fake tensor modes made inside do not fill FakeTensorMode's process-wide dispatch
-    cache, which nothing bounds: an entry per op and shape, about 90 KiB per traced
-    signature (torch 2.13; traces take the same time without it)."""
-    import torch._dynamo.config
+# Keys remat's traces added to torch's fake-tensor dispatch cache, oldest first.
+_FAKE_CACHE_KEYS: collections.deque[Any] = collections.deque()
+FAKE_CACHE_ENTRIES = 4096  # at most this many of them stay (a few hundred per traced layer)
+_FAKE_CACHE_DEPTH = [0]  # nesting of fake_tensor_cache_bounded: the outermost does the accounting
 
-    return torch._dynamo.config.patch(fake_tensor_cache_enabled=False)
+
+@contextlib.contextmanager
+def fake_tensor_cache_bounded() -> Iterator[None]:
+    """Fake tensor modes made inside use torch's process-wide dispatch cache (a traced
+    layer repeats ops: a sixth of a Llama layer's trace time), but nothing bounds that
+    cache, so afterwards remat drops its oldest entries beyond FAKE_CACHE_ENTRIES. Entries
+    are appended in order and never removed by torch, so the new ones are the tail
+    (torch 2.13, FakeTensorMode.cache)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cache = FakeTensorMode.cache
+    before = len(cache)
+    _FAKE_CACHE_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _FAKE_CACHE_DEPTH[0] -= 1
+        if _FAKE_CACHE_DEPTH[0] == 0:
+            if len(cache) > before:
+                _FAKE_CACHE_KEYS.extend(itertools.islice(cache, before, None))
+            while len(_FAKE_CACHE_KEYS) > FAKE_CACHE_ENTRIES:
+                cache.pop(_FAKE_CACHE_KEYS.popleft(), None)
+
+
+def lazy_graph_modules() -> contextlib.AbstractContextManager[None]:
+    """GraphModules that make_fx builds inside generate their Python code when first run or
+    read, not when built (torch 2.13, fx._lazy_graph_module): most of remat's graphs are
+    only analysed, and generating code for a layer's graph costs milliseconds."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    return _use_lazy_graph_module(True)
+
+
+def graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """`torch.fx.GraphModule(root, graph)`, generating its code lazily (see lazy_graph_modules)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)
+
+
+def trace_on_fakes(
+    fn: Callable[..., Any], decomposition_table: dict[Any, Callable[..., Any]] | None = None
+) -> Callable[..., torch.fx.GraphModule]:
+    """make_fx on fake tensors, real constants allowed, without the torch-function mode that
+    only records which torch function each node came from (a Python call per function
+    traced; remat does not read it) (torch 2.13)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(
+        fn, decomposition_table, tracing_mode="fake", _allow_non_fake_inputs=True, _disable_torch_fn_metadata_mode=True
+    )
 
 
 @contextlib.contextmanager
 def tracing_isolated() -> Iterator[None]:
     """Trace as if at top level: no active torch.func transforms, no saved-tensor hooks,
-    and no growth of torch's fake-tensor cache."""
-    with clear_transforms(), saved_tensor_hooks_suspended(), fake_tensor_cache_off():
+    a bound on what it leaves in torch's fake-tensor cache; graphs built lazily."""
+    with clear_transforms(), saved_tensor_hooks_suspended(), fake_tensor_cache_bounded(), lazy_graph_modules():
         yield
 
 

@@ -14,8 +14,6 @@ import contextvars
 import functools
 import inspect
 import operator
-import os
-import traceback
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -24,13 +22,12 @@ import optree
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._arguments import Call, needs_grad
 from ._errors import RematTraceError
-from ._failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_frame
+from ._failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_line
 from ._mutations import functionalize_remaining_mutations, outputs_for_mutations
 from ._naming import annotate
 from ._nodes import (
@@ -49,6 +46,7 @@ from ._torch_internals import (
     autograd_engine_running,
     new_fake_mode,
     preserve_node_meta,
+    trace_on_fakes,
     tracing_isolated,
     tracing_node,
     transforms_active,
@@ -158,15 +156,15 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        frame = user_frame(traceback.extract_stack())
+        line = user_line()
         state = _TRACING.get()
         scope = state[1] if state is not None else 0
         in_backward = autograd_engine_running()  # the function runs torch.autograd.grad / .backward
         for leaf in optree.tree_leaves(out):
             if isinstance(leaf, torch.Tensor):
                 node = tracing_node(leaf)
-                if frame is not None:
-                    annotate(node, SOURCE_KEY, f"{os.path.basename(frame.filename)}:{frame.lineno}", overwrite=False)
+                if line is not None:
+                    annotate(node, SOURCE_KEY, line, overwrite=False)
                 if scope:
                     annotate(node, SCOPE_KEY, scope, overwrite=False)
                 if in_backward:
@@ -245,7 +243,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         fakes = [_fake_like(mode, t).requires_grad_(needs_grad(t)) for t in originals]
         generators = global_generator_states()
         try:
-            gm = make_fx(flat_fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*fakes)
+            gm = trace_on_fakes(flat_fn)(*fakes)
         except Exception as error:
             failure = trace_failure(fn_name, error)
             if failure is error:  # the user's own exception (or torch's, as eager would raise)
@@ -496,7 +494,7 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
         # tangents are traced contiguous; Plan.cotangent makes the real ones so
         examples += [_fake_contiguous(mode, out_values[i]) for i in float_outputs]
         try:
-            traced = make_fx(joint, tracing_mode="fake", _allow_non_fake_inputs=True)(*examples)
+            traced = trace_on_fakes(joint)(*examples)
         except Exception as error:  # a derivative that cannot run without data
             node = blame[-1] if blame else None
             source = node.meta.get("custom", {}).get(SOURCE_KEY) if node is not None else None
@@ -531,11 +529,9 @@ def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     with tracing_isolated():
         mode = new_fake_mode()
         examples = [_fake_like(mode, n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
-        return make_fx(
+        return trace_on_fakes(
             torch.func.functionalize(run, remove="mutations"),
             decomposition_table={torch.ops.aten.copy.default: _differentiable_copy},
-            tracing_mode="fake",
-            _allow_non_fake_inputs=True,
         )(*examples)
 
 

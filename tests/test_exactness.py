@@ -53,6 +53,25 @@ def test_random_ops_recompute_the_same_draws(name: str, policy_name: str) -> Non
     assert_close(_run_seeded(remat(fn, policy=POLICIES[policy_name]), x, w), _run_seeded(fn, x, w))
 
 
+@pytest.mark.parametrize("policy_name", ["default", "dots", "everything"])
+def test_random_ops_drawing_from_a_generator_passed_to_them(policy_name: str) -> None:
+    """`torch.rand(..., generator=g)`: the graph holds the generator itself (make_fx records
+    it as an attribute); recompute replays its state, and it ends where eager leaves it."""
+    generator = torch.Generator().manual_seed(7)
+
+    def noisy(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand(x.shape, dtype=x.dtype, generator=generator)
+        return F.dropout(torch.tanh(x @ w) * noise, p=0.3, training=True) @ w
+
+    def run(fn: Callable[..., torch.Tensor]) -> Any:
+        generator.manual_seed(7)
+        out, grads, after = _run_seeded(fn, x, w)
+        return out, grads, after, torch.rand(3, generator=generator)
+
+    x, w = _leaf(5, 4), _leaf(4, 4)
+    assert_close(run(remat(noisy, policy=POLICIES[policy_name])), run(noisy))
+
+
 @needs_cuda
 @pytest.mark.parametrize("name", list(RANDOM_FUNCTIONS))
 def test_random_ops_recompute_the_same_draws_on_cuda(name: str) -> None:

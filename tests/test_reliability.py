@@ -183,6 +183,33 @@ def test_the_plan_cache_is_bounded_and_retracing_warns_naming_what_changed() -> 
         remat(block, cache_size=0)
 
 
+def test_traces_leave_a_bounded_number_of_entries_in_torchs_fake_tensor_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Traces use torch's process-wide fake-tensor dispatch cache (faster tracing), which
+    nothing bounds; remat drops its oldest entries beyond a limit, and only its own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import remat._torch_internals as internals
+
+    monkeypatch.setattr(internals, "FAKE_CACHE_ENTRIES", 40)
+    monkeypatch.setattr(internals, "_FAKE_CACHE_KEYS", collections.deque())
+    sentinel = object()
+    FakeTensorMode.cache[sentinel] = sentinel  # type: ignore[index]  # an entry of someone else's
+    try:
+        before = len(FakeTensorMode.cache)
+        w = torch.randn(3, 3, dtype=D, requires_grad=True)
+        f = remat(block, cache_size=2)
+        added = []
+        for n in range(1, 13):  # every length a new trace, each adding entries
+            x = torch.randn(n, 3, dtype=D, requires_grad=True)
+            assert_close(torch.autograd.grad(f(x, w).sum(), (x, w)), torch.autograd.grad(block(x, w).sum(), (x, w)))
+            added.append(len(FakeTensorMode.cache) - before)
+        assert max(added) > 0 and added[-1] <= 40  # it filled the cache, up to the bound
+        assert len(internals._FAKE_CACHE_KEYS) == added[-1]
+        assert FakeTensorMode.cache.get(sentinel) is sentinel  # never dropped: not remat's
+    finally:
+        FakeTensorMode.cache.pop(sentinel, None)  # type: ignore[call-overload]
+
+
 def test_pickling_a_model_prepared_with_checkpoint_layers_after_a_call() -> None:
     model = torch.nn.Sequential(*(torch.nn.Linear(4, 4, dtype=D) for _ in range(3)))
     checkpoint_layers(model, P.dots_saveable)

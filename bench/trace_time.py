@@ -1,0 +1,157 @@
+#!/usr/bin/env python
+"""First-call (trace) time of a transformers LlamaDecoderLayer under remat, and where it goes.
+
+    python bench/trace_time.py                 # 5 fresh processes + 5 new layers in one process
+    python bench/trace_time.py --json out.json
+
+The layer is the one issue 12 names: hidden 256, 8 heads, seq 128, batch 2, random init,
+`dots_saveable`, sdpa attention, one torch thread. Three figures:
+- first call in a fresh process (remat and transformers imported, the layer built, nothing
+  traced yet): what a user's first step pays for its first layer;
+- a new layer's first call in a process that traced another layer, since dropped: process-
+  wide warm-up and torch's fake-tensor cache are shared, the plan is not;
+- a new layer's first call while another layer like it is alive (a model's further layers):
+  it traces its stage-1 graph, finds it the same, and shares the other's plan.
+The phases are timed by wrapping remat's own stage functions (bench-only instrumentation):
+stage 1 (`capture`: the function traced on fake tensors, then its passes), the joint
+forward+backward trace (`differentiate`), the partition, and the rest (the first run with
+its layout check, splitting, caching). Every figure is one first call; the table gives
+min and median over the repetitions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+PHASES = ("capture", "differentiate", "partition")
+_TIMES: dict[str, float] = {}  # seconds per phase since the last clear
+
+
+def _instrument() -> None:
+    """Accumulate wall time per phase in _TIMES (remat's own functions, wrapped where
+    `_remat` calls them), once per process."""
+    import remat._remat as module
+
+    if getattr(module.capture, "_bench_timed", False):
+        return
+
+    for name in PHASES:
+        original = getattr(module, name)
+
+        def timed(*args: Any, _original: Callable[..., Any] = original, _name: str = name, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                _TIMES[_name] = _TIMES.get(_name, 0.0) + time.perf_counter() - start
+
+        wrapped = functools.wraps(original)(timed)
+        wrapped._bench_timed = True  # type: ignore[attr-defined]
+        setattr(module, name, wrapped)
+
+
+def _layer_and_call() -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=8,
+        num_hidden_layers=1, vocab_size=100, attn_implementation="sdpa",
+    )
+    x = torch.randn(2, 128, 256, requires_grad=True)
+    positions = torch.arange(128)[None].expand(2, -1)
+    cos, sin = LlamaRotaryEmbedding(config)(x, positions)
+
+    def new_layer() -> Any:
+        return LlamaDecoderLayer(config, 0)
+
+    def call(layer: Any) -> Any:
+        return layer(x, position_embeddings=(cos, sin), attention_mask=None, position_ids=positions)
+
+    return new_layer, call
+
+
+def one_first_call(kind: str) -> dict[str, float]:
+    """Seconds of one first call (and its phases): "fresh", "warm" (after another layer's
+    first call, that layer dropped) or "shared" (that layer kept alive)."""
+    import torch
+
+    import remat
+    from remat import policies as P
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    new_layer, call = _layer_and_call()
+    other = remat.remat(new_layer(), policy=P.dots_saveable) if kind != "fresh" else None
+    if other is not None:
+        call(other)
+    if kind == "warm":
+        del other
+        gc.collect()  # its plan goes with it (plans are shared while a region holds them)
+    _instrument()
+    _TIMES.clear()
+    region = remat.remat(new_layer(), policy=P.dots_saveable)
+    start = time.perf_counter()
+    call(region)
+    total = time.perf_counter() - start
+    assert region.cache_info()["traces"] == 1
+    times = {p: _TIMES.get(p, 0.0) for p in PHASES}
+    start = time.perf_counter()
+    call(region)
+    times["second call"] = time.perf_counter() - start
+    times["total"] = total
+    times["rest"] = total - sum(times[p] for p in PHASES)
+    return times
+
+
+def summary(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    keys = ["total", *PHASES, "rest", "second call"]
+    ms = {k: [1e3 * r[k] for r in runs] for k in keys}
+    return {k: {"min_ms": min(v), "median_ms": statistics.median(v)} for k, v in ms.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--child", choices=["fresh"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(one_first_call("fresh")))
+        return
+    fresh = []
+    for _ in range(args.repeat):
+        out = subprocess.run([sys.executable, __file__, "--child", "fresh"], capture_output=True, text=True, check=True)
+        fresh.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    warm = [one_first_call("warm") for _ in range(args.repeat)]
+    shared = [one_first_call("shared") for _ in range(args.repeat)]
+    import torch
+
+    result = {
+        "torch": torch.__version__, "load_average": os.getloadavg()[0], "repeat": args.repeat,
+        "fresh process": summary(fresh), "new layer, warm process": summary(warm),
+        "new layer sharing a plan": summary(shared),
+    }
+    print(f"torch {result['torch']}, 1 thread, {args.repeat} repetitions, load average {result['load_average']:.2f}")
+    print(f"{'ms':<30}" + "".join(f"{k:>16}" for k in ["total", *PHASES, "rest", "second call"]))
+    for name in ("fresh process", "new layer, warm process", "new layer sharing a plan"):
+        for stat in ("min_ms", "median_ms"):
+            row = result[name]
+            print(f"{name + ' ' + stat[:-3]:<30}" + "".join(f"{row[k][stat]:>16.1f}" for k in row))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
