@@ -120,6 +120,31 @@ def summary(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     return {k: {"min_ms": min(v), "median_ms": statistics.median(v)} for k, v in ms.items()}
 
 
+KINDS = {"fresh": "fresh process", "warm": "new layer, warm process", "shared": "new layer sharing a plan"}
+
+
+def measure(repeat: int) -> dict[str, Any]:
+    """Every kind of first call, `repeat` times each ("fresh" in child processes)."""
+    runs: dict[str, list[dict[str, float]]] = {kind: [] for kind in KINDS}
+    for _ in range(repeat):
+        out = subprocess.run([sys.executable, __file__, "--child", "fresh"], capture_output=True, text=True, check=True)
+        runs["fresh"].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    for kind in ("warm", "shared"):
+        runs[kind] = [one_first_call(kind) for _ in range(repeat)]
+    return {"repeat": repeat, "load_average": os.getloadavg()[0], **{KINDS[k]: summary(v) for k, v in runs.items()}}
+
+
+def render_table(result: dict[str, Any]) -> list[str]:
+    """Markdown rows: ms per first call and its phases, min (median)."""
+    columns = ["total", *PHASES, "rest", "second call"]
+    lines = ["| first call of a LlamaDecoderLayer, ms: min (median) | " + " | ".join(columns) + " |"]
+    lines.append("|---|" + "---:|" * len(columns))
+    for name in KINDS.values():
+        row = result[name]
+        lines.append(f"| {name} | " + " | ".join(f"{row[k]['min_ms']:.0f} ({row[k]['median_ms']:.0f})" for k in columns) + " |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
@@ -129,25 +154,11 @@ def main() -> None:
     if args.child:
         print(json.dumps(one_first_call("fresh")))
         return
-    fresh = []
-    for _ in range(args.repeat):
-        out = subprocess.run([sys.executable, __file__, "--child", "fresh"], capture_output=True, text=True, check=True)
-        fresh.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    warm = [one_first_call("warm") for _ in range(args.repeat)]
-    shared = [one_first_call("shared") for _ in range(args.repeat)]
     import torch
 
-    result = {
-        "torch": torch.__version__, "load_average": os.getloadavg()[0], "repeat": args.repeat,
-        "fresh process": summary(fresh), "new layer, warm process": summary(warm),
-        "new layer sharing a plan": summary(shared),
-    }
+    result = {"torch": torch.__version__, **measure(args.repeat)}
     print(f"torch {result['torch']}, 1 thread, {args.repeat} repetitions, load average {result['load_average']:.2f}")
-    print(f"{'ms':<30}" + "".join(f"{k:>16}" for k in ["total", *PHASES, "rest", "second call"]))
-    for name in ("fresh process", "new layer, warm process", "new layer sharing a plan"):
-        for stat in ("min_ms", "median_ms"):
-            row = result[name]
-            print(f"{name + ' ' + stat[:-3]:<30}" + "".join(f"{row[k][stat]:>16.1f}" for k in row))
+    print("\n".join(render_table(result)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
