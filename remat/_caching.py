@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from ._sharing import clear_shared_plans
+from ._torch_internals import drop_fake_cache_entries
 
 TRACE_LOCK = threading.RLock()
 DEFAULT_CACHE_SIZE = 64  # plans per function and policy; the least recently used goes first
@@ -140,7 +141,8 @@ def plan_cache(fn: Callable[..., Any], settings: tuple[Any, ...], region: str, m
 
 def clear_cache(fn: Callable[..., Any] | None = None) -> None:
     """Drop the traced plans of every remat'd function, or of `fn` (a function, a bound
-    method, a module, or a remat wrapper of one). The next call traces again."""
+    method, a module, or a remat wrapper of one). The next call traces again. Without
+    `fn`, also what remat's traces left in torch's fake-tensor cache."""
     fn = getattr(fn, "__wrapped__", fn)
     with TRACE_LOCK:
         if fn is None:
@@ -152,3 +154,4 @@ def clear_cache(fn: Callable[..., Any] | None = None) -> None:
             cache.clear()
         if fn is None:
             clear_shared_plans()
+            drop_fake_cache_entries()

@@ -176,6 +176,14 @@ def fake_tensor_cache_bounded() -> Iterator[None]:
                 cache.pop(_FAKE_CACHE_KEYS.popleft(), None)
 
 
+def drop_fake_cache_entries() -> None:
+    """Remove from torch's fake-tensor dispatch cache every entry remat's traces put there."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    while _FAKE_CACHE_KEYS:
+        FakeTensorMode.cache.pop(_FAKE_CACHE_KEYS.popleft(), None)
+
+
 def lazy_graph_modules() -> contextlib.AbstractContextManager[None]:
     """GraphModules that make_fx builds inside generate their Python code when first run or
     read, not when built (torch 2.13, fx._lazy_graph_module): most of remat's graphs are

@@ -206,6 +206,8 @@ def test_traces_leave_a_bounded_number_of_entries_in_torchs_fake_tensor_cache(mo
         assert max(added) > 0 and added[-1] <= 40  # it filled the cache, up to the bound
         assert len(internals._FAKE_CACHE_KEYS) == added[-1]
         assert FakeTensorMode.cache.get(sentinel) is sentinel  # never dropped: not remat's
+        clear_cache()  # drops remat's entries too, only those
+        assert len(FakeTensorMode.cache) == before and FakeTensorMode.cache.get(sentinel) is sentinel
     finally:
         FakeTensorMode.cache.pop(sentinel, None)  # type: ignore[call-overload]
 
