@@ -38,6 +38,8 @@ class _Unshareable(Exception):
 def _canonical(value: Any, index: dict[torch.fx.Node, int]) -> Any:
     """A hashable form of a node argument or fact, equal only for equal values."""
     if isinstance(value, torch.fx.Node):
+        if value not in index:
+            raise _Unshareable("a node of another graph")
         return ("node", index[value])
     if isinstance(value, (float, complex)):
         return (type(value), repr(value))  # repr: -0.0 and 0.0 differ
@@ -46,7 +48,9 @@ def _canonical(value: Any, index: dict[torch.fx.Node, int]) -> Any:
     if isinstance(value, (list, tuple)):
         return (type(value), tuple(_canonical(v, index) for v in value))
     if isinstance(value, dict):
-        return (dict, tuple(sorted((str(k), _canonical(v, index)) for k, v in value.items())))
+        if not all(isinstance(k, str) for k in value):
+            raise _Unshareable("a dict with keys that are not strings")
+        return (dict, tuple((k, _canonical(value[k], index)) for k in sorted(value)))
     if isinstance(value, slice):
         return (slice, _canonical((value.start, value.stop, value.step), index))
     raise _Unshareable(type(value).__name__)

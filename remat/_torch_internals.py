@@ -156,7 +156,7 @@ _FAKE_CACHE_DEPTH = [0]  # nesting of fake_tensor_cache_bounded: the outermost d
 @contextlib.contextmanager
 def fake_tensor_cache_bounded() -> Iterator[None]:
     """Fake tensor modes made inside use torch's process-wide dispatch cache (a traced
-    layer repeats ops: a sixth of a Llama layer's trace time), but nothing bounds that
+    layer repeats ops: tens of ms of a Llama layer's trace), but nothing bounds that
     cache, so afterwards remat drops its oldest entries beyond FAKE_CACHE_ENTRIES. Entries
     are appended in order and never removed by torch, so the new ones are the tail
     (torch 2.13, FakeTensorMode.cache)."""
