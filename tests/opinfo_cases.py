@@ -235,19 +235,77 @@ def run_case(op_name: str, transform: str) -> list[tuple[str, str, str]]:
     return rows
 
 
+def _perturbed(t: Any) -> Any:
+    """A floating tensor with other values (x 1.001) and the same layout (shape, strides,
+    storage offset); anything else as it is."""
+    if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()) or t.layout != torch.strided:
+        return t
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    out = torch.empty(t.storage_offset() + extent, dtype=t.dtype).as_strided(t.shape, t.stride(), t.storage_offset())
+    return out.copy_(t * 1.001).requires_grad_(t.requires_grad)
+
+
+def run_shared_case(op_name: str) -> list[tuple[str, str, str]]:
+    """Two regions of one op's first sample, the second on other values (its own inputs and
+    its own captured tensors), the first kept alive: the second shares the first's plan
+    when its graph is the same, and must match no remat either way. Outcome "shared" or
+    "pass" (planned on its own), "refused" or "torch-cant"."""
+    from remat import _remat
+
+    op = OPS[op_name]
+    first = next(iter(samples(op)), None)
+    case_a = make_case(op, first) if first is not None else None
+    if case_a is None:
+        return []
+    case_b = make_case(op, first.transform(_perturbed))
+    assert case_b is not None
+    try:
+        expected = transform_backward(case_b.fn, case_b)
+    except Exception:
+        return [("0", "-", "torch-cant")]
+    joints: list[int] = []
+    differentiate = _remat.differentiate
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        joints.append(1)
+        return differentiate(*args, **kwargs)
+
+    where = f"{op_name}, shared plan, sample 0, nothing"
+    _remat.differentiate = counted  # type: ignore[assignment]
+    try:
+        region_a = remat(case_a.fn, policy=P.nothing_saveable)
+        transform_backward(region_a, case_a)
+        before = len(joints)
+        actual = transform_backward(remat(case_b.fn, policy=P.nothing_saveable), case_b)
+    except RematError as error:
+        if op_name not in KNOWN_REFUSALS:
+            raise AssertionError(f"{where}: refused, and not a known refusal: {error}") from error
+        return [("0", "nothing", "refused")]
+    except Exception as error:
+        raise AssertionError(f"{where}: raised {type(error).__name__}: {error}") from error
+    finally:
+        _remat.differentiate = differentiate  # type: ignore[assignment]
+    try:
+        torch.testing.assert_close(actual, expected, equal_nan=True)
+    except AssertionError as error:
+        raise AssertionError(f"{where}: WRONG result: {error}") from None
+    return [("0", "nothing", "shared" if len(joints) == before else "pass")]
+
+
 def main() -> None:
     """Run the whole sweep; print the outcome counts per transform and every failure."""
     import warnings
 
     warnings.simplefilter("ignore")
-    transforms = sys.argv[1:] or list(TRANSFORMS)
+    transforms = sys.argv[1:] or [*TRANSFORMS, "shared"]
     for transform in transforms:
         counts: collections.Counter[str] = collections.Counter()
         failures = []
         start = time.perf_counter()
         for name in OPS:
             try:
-                counts.update(outcome for _, _, outcome in run_case(name, transform))
+                rows = run_shared_case(name) if transform == "shared" else run_case(name, transform)
+                counts.update(outcome for _, _, outcome in rows)
             except AssertionError as error:
                 counts["FAILED"] += 1
                 failures.append(str(error).splitlines()[0][:300])

@@ -1,13 +1,13 @@
 """torch's OpInfo database as the oracle: every op that supports autograd in float64, its
 sample inputs, under vjp / .backward() / vmap(grad) / grad(grad) and the built-in
-policies, against the same call without remat (see opinfo_cases.py). The outcome counts
-per transform are printed at the end of the run."""
+policies, and through a plan shared between two regions, against the same call without
+remat (see opinfo_cases.py). The outcome counts per transform are printed at the end of
+the run."""
 
 from __future__ import annotations
 
 import pytest
-
-from opinfo_cases import OPS, TRANSFORMS, run_case
+from opinfo_cases import OPS, TRANSFORMS, run_case, run_shared_case
 
 pytestmark = [pytest.mark.opinfo, pytest.mark.filterwarnings("ignore")]  # torch's deprecation warnings, unmatched policies
 
@@ -17,3 +17,11 @@ pytestmark = [pytest.mark.opinfo, pytest.mark.filterwarnings("ignore")]  # torch
 def test_op_matches_no_remat(op_name: str, transform: str, record_property: pytest.RecordProperty) -> None:
     rows = run_case(op_name, transform)
     record_property("opinfo", [(transform, outcome) for _, _, outcome in rows])
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_a_plan_shared_between_regions_matches_no_remat(op_name: str, record_property: pytest.RecordProperty) -> None:
+    """The second of two regions of one op (its own values and captured tensors) shares
+    the first's plan when the graphs are the same; either way it matches no remat."""
+    rows = run_shared_case(op_name)
+    record_property("opinfo", [("shared", outcome) for _, _, outcome in rows])

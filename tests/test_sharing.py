@@ -93,6 +93,24 @@ def test_closures_over_other_tensors_share_and_each_uses_its_own(joint_traces: l
     assert len(joint_traces) == 1
 
 
+def test_tensors_held_in_tuples_are_each_regions_own(joint_traces: list[str]) -> None:
+    """A tensor a function reaches through a tuple is passed to the graph by reference (no
+    setter can swap it): a region sharing another's plan passes its own."""
+    x = _leaf(4, 3, seed=0)
+    regions = []
+    for s in (1, 2):
+        params = (_leaf(3, 3, seed=s), _leaf(3, seed=s + 10))
+
+        def block(x: torch.Tensor, params: tuple[torch.Tensor, torch.Tensor] = params) -> torch.Tensor:
+            return torch.tanh(x @ params[0] + params[1]) @ params[0]
+
+        regions.append(rematerialize(block, policy=P.dots_saveable))
+        out, expected = regions[-1](x), block(x)
+        assert_close(out, expected)
+        assert_close(torch.autograd.grad(out.sum(), (x, *params)), torch.autograd.grad(expected.sum(), (x, *params)))
+    assert len(joint_traces) == 1
+
+
 @pytest.mark.parametrize(
     "variants",
     [
