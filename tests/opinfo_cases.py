@@ -245,13 +245,17 @@ def _perturbed(t: Any) -> Any:
     return out.copy_(t * 1.001).requires_grad_(t.requires_grad)
 
 
-def run_shared_case(op_name: str) -> list[tuple[str, str, str]]:
+SHARED_TRANSFORMS = {"backward": transform_backward, "vjp": transform_vjp}
+
+
+def run_shared_case(op_name: str, transform: str) -> list[tuple[str, str, str]]:
     """Two regions of one op's first sample, the second on other values (its own inputs and
     its own captured tensors), the first kept alive: the second shares the first's plan
     when its graph is the same, and must match no remat either way. Outcome "shared" or
     "pass" (planned on its own), "refused" or "torch-cant"."""
     from remat import _remat
 
+    runner = SHARED_TRANSFORMS[transform]
     op = OPS[op_name]
     first = next(iter(samples(op)), None)
     case_a = make_case(op, first) if first is not None else None
@@ -260,7 +264,7 @@ def run_shared_case(op_name: str) -> list[tuple[str, str, str]]:
     case_b = make_case(op, first.transform(_perturbed))
     assert case_b is not None
     try:
-        expected = transform_backward(case_b.fn, case_b)
+        expected = runner(case_b.fn, case_b)
     except Exception:
         return [("0", "-", "torch-cant")]
     joints: list[int] = []
@@ -270,13 +274,13 @@ def run_shared_case(op_name: str) -> list[tuple[str, str, str]]:
         joints.append(1)
         return differentiate(*args, **kwargs)
 
-    where = f"{op_name}, shared plan, sample 0, nothing"
+    where = f"{op_name}, shared plan under {transform}, sample 0, nothing"
     _remat.differentiate = counted  # type: ignore[assignment]
     try:
         region_a = remat(case_a.fn, policy=P.nothing_saveable)
-        transform_backward(region_a, case_a)
+        runner(region_a, case_a)
         before = len(joints)
-        actual = transform_backward(remat(case_b.fn, policy=P.nothing_saveable), case_b)
+        actual = runner(remat(case_b.fn, policy=P.nothing_saveable), case_b)
     except RematError as error:
         if op_name not in KNOWN_REFUSALS:
             raise AssertionError(f"{where}: refused, and not a known refusal: {error}") from error
@@ -297,14 +301,15 @@ def main() -> None:
     import warnings
 
     warnings.simplefilter("ignore")
-    transforms = sys.argv[1:] or [*TRANSFORMS, "shared"]
+    transforms = sys.argv[1:] or [*TRANSFORMS, *(f"shared_{t}" for t in SHARED_TRANSFORMS)]
     for transform in transforms:
         counts: collections.Counter[str] = collections.Counter()
         failures = []
         start = time.perf_counter()
         for name in OPS:
             try:
-                rows = run_shared_case(name) if transform == "shared" else run_case(name, transform)
+                shared = transform.startswith("shared_")
+                rows = run_shared_case(name, transform[len("shared_"):]) if shared else run_case(name, transform)
                 counts.update(outcome for _, _, outcome in rows)
             except AssertionError as error:
                 counts["FAILED"] += 1

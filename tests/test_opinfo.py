@@ -7,7 +7,7 @@ the run."""
 from __future__ import annotations
 
 import pytest
-from opinfo_cases import OPS, TRANSFORMS, run_case, run_shared_case
+from opinfo_cases import OPS, SHARED_TRANSFORMS, TRANSFORMS, run_case, run_shared_case
 
 pytestmark = [pytest.mark.opinfo, pytest.mark.filterwarnings("ignore")]  # torch's deprecation warnings, unmatched policies
 
@@ -19,9 +19,12 @@ def test_op_matches_no_remat(op_name: str, transform: str, record_property: pyte
     record_property("opinfo", [(transform, outcome) for _, _, outcome in rows])
 
 
+@pytest.mark.parametrize("transform", list(SHARED_TRANSFORMS))
 @pytest.mark.parametrize("op_name", list(OPS))
-def test_a_plan_shared_between_regions_matches_no_remat(op_name: str, record_property: pytest.RecordProperty) -> None:
+def test_a_plan_shared_between_regions_matches_no_remat(
+    op_name: str, transform: str, record_property: pytest.RecordProperty
+) -> None:
     """The second of two regions of one op (its own values and captured tensors) shares
     the first's plan when the graphs are the same; either way it matches no remat."""
-    rows = run_shared_case(op_name)
-    record_property("opinfo", [("shared", outcome) for _, _, outcome in rows])
+    rows = run_shared_case(op_name, transform)
+    record_property("opinfo", [(f"shared plan, {transform}", outcome) for _, _, outcome in rows])
