@@ -242,3 +242,22 @@ def test_a_plan_is_shared_only_while_a_region_holds_it(joint_traces: list[str]) 
     gc.collect()
     rematerialize(make(), name="third")(x)  # first's function and its plans are gone
     assert joint_traces == ["first", "third"]
+
+
+def test_layers_that_update_buffers_share_and_each_updates_its_own(joint_traces: list[str]) -> None:
+    """BatchNorm's running statistics are inputs the region writes after its forward: a
+    layer sharing another's plan updates its own buffers, once, as eager does."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(*[
+        torch.nn.Sequential(torch.nn.Conv2d(3, 3, 3, padding=1), torch.nn.BatchNorm2d(3), torch.nn.ReLU()) for _ in range(3)
+    ]).to(D).train()
+    model = copy.deepcopy(reference)
+    remat.checkpoint_layers(model, P.dots_saveable, prefix="blocks")
+    x = _leaf(2, 3, 5, 5, seed=0)
+    for m in (model, reference):
+        for _ in range(2):  # two steps: the second call of each layer is a cache hit
+            m(x).square().mean().backward()
+    assert joint_traces == ["blocks.0"]
+    assert_close({k: p.grad for k, p in model.named_parameters()}, {k: p.grad for k, p in reference.named_parameters()})
+    for (name, buffer), expected in zip(model.named_buffers(), reference.buffers()):
+        assert torch.equal(buffer, expected), name  # running statistics, and num_batches_tracked == 2
