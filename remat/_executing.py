@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ._caching import TRACE_LOCK
 from ._errors import RematError
 from ._layouts import run_checked
 from ._nodes import DIFFERENTIABLE_KEY
@@ -141,31 +142,35 @@ class Plan:
     def higher_order(self) -> tuple[Partition, list[int], list[int]]:
         """A backward that also takes cotangents for the kept values, and where each of its
         kept inputs sits among the Function's saved tensors (built once, lazily)."""
-        if self._higher_order is None:
-            full, cotangent_outputs, residuals = self._second_order
-            full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
-            kept_inputs = self.part.saved_inputs + self.extra_inputs
-            missing = [self.captured.input_paths[i] for i in full.saved_inputs if i not in kept_inputs]
-            inner = [f"output {j}" for j in full_residuals if j not in residuals]
-            inner += [f"random op {k}" for k in full.replayed if k not in self.part.replayed]
-            if missing or inner:
-                raise RematError(
-                    f"remat({self.region}): this second-order gradient (a backward of a backward) needs "
-                    f"{', '.join(f'`{m}`' for m in missing + inner)}, which the first-order backward did "
-                    "not need, so remat did not keep it. Nest torch.func transforms instead "
-                    "(grad(grad(...)), jacrev(jacrev(...)), hessian): remat sees the nesting when it traces "
-                    "and keeps what second order needs; or use a policy that keeps more for this region."
-                )
-            order = [
-                self.part.saved_inputs.index(i) if i in self.part.saved_inputs
-                else self.n_first_order_kept + self.extra_inputs.index(i)
-                for i in full.saved_inputs
-            ]
-            offset = len(self.part.saved_inputs)
-            order += [offset + residuals.index(j) for j in full_residuals]
-            order += [offset + len(residuals) + self.part.replayed.index(k) for k in full.replayed]
-            self._higher_order = (full, order, cotangent_outputs)
+        with TRACE_LOCK:  # traces (make_fx keeps process-wide state): one at a time in the process
+            if self._higher_order is None:
+                self._higher_order = self._build_higher_order()
         return self._higher_order
+
+    def _build_higher_order(self) -> tuple[Partition, list[int], list[int]]:
+        full, cotangent_outputs, residuals = self._second_order
+        full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
+        kept_inputs = self.part.saved_inputs + self.extra_inputs
+        missing = [self.captured.input_paths[i] for i in full.saved_inputs if i not in kept_inputs]
+        inner = [f"output {j}" for j in full_residuals if j not in residuals]
+        inner += [f"random op {k}" for k in full.replayed if k not in self.part.replayed]
+        if missing or inner:
+            raise RematError(
+                f"remat({self.region}): this second-order gradient (a backward of a backward) needs "
+                f"{', '.join(f'`{m}`' for m in missing + inner)}, which the first-order backward did "
+                "not need, so remat did not keep it. Nest torch.func transforms instead "
+                "(grad(grad(...)), jacrev(jacrev(...)), hessian): remat sees the nesting when it traces "
+                "and keeps what second order needs; or use a policy that keeps more for this region."
+            )
+        order = [
+            self.part.saved_inputs.index(i) if i in self.part.saved_inputs
+            else self.n_first_order_kept + self.extra_inputs.index(i)
+            for i in full.saved_inputs
+        ]
+        offset = len(self.part.saved_inputs)
+        order += [offset + residuals.index(j) for j in full_residuals]
+        order += [offset + len(residuals) + self.part.replayed.index(k) for k in full.replayed]
+        return full, order, cotangent_outputs
 
 
 class RematFunction(torch.autograd.Function):

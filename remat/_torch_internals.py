@@ -150,7 +150,7 @@ def saved_tensor_hooks_suspended() -> Iterator[None]:
 # Keys remat's traces added to torch's fake-tensor dispatch cache, oldest first.
 _FAKE_CACHE_KEYS: collections.deque[Any] = collections.deque()
 FAKE_CACHE_ENTRIES = 4096  # at most this many of them stay (a few hundred per traced layer)
-_FAKE_CACHE_DEPTH = [0]  # nesting of fake_tensor_cache_bounded: the outermost does the accounting
+_FAKE_CACHE_DEPTH = [0]  # nesting of fake_tensor_cache_bounded (traces run under TRACE_LOCK): the outermost accounts
 
 
 @contextlib.contextmanager
