@@ -183,6 +183,7 @@ def test_the_plan_cache_is_bounded_and_retracing_warns_naming_what_changed() -> 
         remat(block, cache_size=0)
 
 
+@pytest.mark.filterwarnings("ignore::remat.RematRetraceWarning")  # twelve lengths, on purpose
 def test_traces_leave_a_bounded_number_of_entries_in_torchs_fake_tensor_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """Traces use torch's process-wide fake-tensor dispatch cache (faster tracing), which
     nothing bounds; remat drops its oldest entries beyond a limit, and only its own."""
