@@ -172,16 +172,19 @@ def fake_tensor_cache_bounded() -> Iterator[None]:
         if _FAKE_CACHE_DEPTH[0] == 0:
             if len(cache) > before:
                 _FAKE_CACHE_KEYS.extend(itertools.islice(cache, before, None))
-            while len(_FAKE_CACHE_KEYS) > FAKE_CACHE_ENTRIES:
-                cache.pop(_FAKE_CACHE_KEYS.popleft(), None)
+            _drop_oldest_fake_cache_entries(keep=FAKE_CACHE_ENTRIES)
+
+
+def _drop_oldest_fake_cache_entries(keep: int) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    while len(_FAKE_CACHE_KEYS) > keep:
+        FakeTensorMode.cache.pop(_FAKE_CACHE_KEYS.popleft(), None)
 
 
 def drop_fake_cache_entries() -> None:
     """Remove from torch's fake-tensor dispatch cache every entry remat's traces put there."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    while _FAKE_CACHE_KEYS:
-        FakeTensorMode.cache.pop(_FAKE_CACHE_KEYS.popleft(), None)
+    _drop_oldest_fake_cache_entries(keep=0)
 
 
 def lazy_graph_modules() -> contextlib.AbstractContextManager[None]:
