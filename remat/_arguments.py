@@ -27,11 +27,14 @@ from ._errors import RematError
 from ._torch_internals import autocast_state, nested_gradients, transform_levels, transforms_active
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class _Static:
     """A whole argument declared static through static_argnums/static_argnames."""
 
     value: Any
+
+    def __repr__(self) -> str:  # as the value (what a retrace warning says changed)
+        return repr(self.value)
 
 
 @dataclass
@@ -57,6 +60,16 @@ class Call:
             for path, leaf in zip(self.leaf_paths, self.static_leaves)
             if not isinstance(leaf, torch.Tensor) and not isinstance(leaf.value if isinstance(leaf, _Static) else leaf, _PLAIN)
         ]
+
+    def key_without_sizes(self) -> tuple[Any, ...]:
+        """The cache key with each tensor's shape and strides reduced to its number of
+        dimensions: calls that differ only in sizes (and layouts) share it."""
+        key = list(self.key)
+        n_leaves = len(self.static_leaves)
+        for index in [1 + p for p in self.tensor_positions] + [1 + n_leaves + j for j in range(len(self.captured))]:
+            shape, _, *rest = key[index]
+            key[index] = (len(shape), *rest)
+        return tuple(key)
 
     def key_labels(self) -> list[str]:
         """What each part of `key` stands for, to say what changed between traces."""

@@ -47,6 +47,7 @@ class PlanCache:
     traces: int = 0
     _warned_at: int = 0
     _last: tuple[tuple[Any, ...], Sequence[str]] | None = None
+    templates: Any = None  # the function's shape templates (`_specializing.Templates`), made on first trace
 
     def lookup(self, key: tuple[Any, ...], storage_offsets: Callable[[], tuple[int, ...]]) -> Any:
         """The plan for `key` (a Plan, or None when nothing needs a gradient), or MISSING."""
@@ -61,9 +62,12 @@ class PlanCache:
             return entry.plans.get(storage_offsets(), MISSING)
         return entry
 
-    def store(self, key: tuple[Any, ...], labels: Sequence[str], plan: Any, storage_offsets: tuple[int, ...] | None) -> None:
+    def store(
+        self, key: tuple[Any, ...], labels: Sequence[str], plan: Any, storage_offsets: tuple[int, ...] | None, traced: bool = True
+    ) -> None:
         """Keep `plan` (per storage offsets when given), evict the oldest beyond `maxsize`,
-        and warn when this function has traced many times."""
+        and warn when this function has traced many times (`traced`: the plan came from a
+        trace, not from a template of another size)."""
         if storage_offsets is not None:
             entry = self.plans.get(key)
             if not isinstance(entry, _PerStorageOffsets):
@@ -74,6 +78,8 @@ class PlanCache:
         self.plans.move_to_end(key)
         while len(self.plans) > self.maxsize:
             self.plans.popitem(last=False)
+        if not traced:
+            return
         self.traces += 1
         previous, self._last = self._last, (key, labels)
         if self.traces >= RETRACE_WARNING_AFTER and self.traces >= 2 * self._warned_at:
@@ -88,7 +94,7 @@ class PlanCache:
 
     def clear(self) -> None:
         self.plans.clear()
-        self.traces, self._warned_at, self._last = 0, 0, None
+        self.traces, self._warned_at, self._last, self.templates = 0, 0, None, None
 
 
 def _what_changed(previous: tuple[tuple[Any, ...], Sequence[str]] | None, key: tuple[Any, ...], labels: Sequence[str]) -> str:

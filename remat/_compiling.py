@@ -126,7 +126,8 @@ def call_under_compile(
             "dots_saveable), or torch._functorch.config.activation_memory_budget, torch's own budget for "
             "compiled graphs."
         )
-    if kwargs.keys() & _CHECKPOINT_OWN_ARGUMENTS:  # the region's own `debug=` must reach it, not checkpoint
+    # the region's own `debug=` must reach it, not checkpoint (a loop: torch 2.11's dynamo cannot trace `keys() & set`)
+    if any(name in _CHECKPOINT_OWN_ARGUMENTS for name in kwargs):
         fn, kwargs = functools.partial(fn, **kwargs), {}
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context, **kwargs)
 

@@ -27,6 +27,7 @@ from ._executing import Plan
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
 from ._sharing import graph_signature, share_plan, shared_plan
+from ._specializing import Templates
 from ._torch_internals import (
     copy_into,
     fake_tensor_cache_bounded,
@@ -34,7 +35,7 @@ from ._torch_internals import (
     nested_gradients,
     transforms_active,
 )
-from ._tracing import Captured, capture, differentiate, inside_trace, nested_region
+from ._tracing import Captured, differentiate, inside_trace, nested_region
 
 
 def _normalise_argnums(static_argnums: int | Iterable[int]) -> frozenset[int]:
@@ -148,6 +149,7 @@ class Rematerialized:
         self._plans = self._plans_for(policy)
         self._hits = 0
         self._traces = 0
+        self._specialized = 0
         for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
             if hasattr(fn, attribute):
                 setattr(self, attribute, getattr(fn, attribute))
@@ -157,9 +159,14 @@ class Rematerialized:
         return f"remat({self.region}, policy={self.policy!r})"
 
     def cache_info(self) -> dict[str, int]:
-        """Calls of this wrapper that reused a traced plan, traces it made, plans its
-        function holds (shared with other wrappers of the same function), and the bound."""
-        return {"hits": self._hits, "traces": self._traces, "size": len(self._plans.plans), "maxsize": self.cache_size}
+        """Calls of this wrapper that reused a plan, traces of its function it made, plans
+        it made for a new size from a symbolic trace (`_specializing`: a template traced once,
+        then no trace), plans its function holds (shared with other wrappers of the same
+        function), and the bound."""
+        return {
+            "hits": self._hits, "traces": self._traces, "specialized": self._specialized,
+            "size": len(self._plans.plans), "maxsize": self.cache_size,
+        }
 
     def clear_cache(self) -> None:
         """Drop this function's traced plans; the next call traces again."""
@@ -170,7 +177,7 @@ class Rematerialized:
         state = dict(self.__dict__)
         del state["_plans"]
         state["_dynamic_region"] = None
-        state["_hits"] = state["_traces"] = 0
+        state["_hits"] = state["_traces"] = state["_specialized"] = 0
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -201,9 +208,9 @@ class Rematerialized:
             with TRACE_LOCK:  # one trace at a time in the process; another thread may have built it
                 plan = plans.lookup(call.key, call.storage_offsets)
                 if plan is MISSING:
-                    plan = self._build(call, policy)
+                    plan, traced = self._build(call, policy, plans)
                     offsets = call.storage_offsets() if plan is not None and plan.captured.reads_storage_offsets else None
-                    plans.store(call.key, call.key_labels(), plan, offsets)
+                    plans.store(call.key, call.key_labels(), plan, offsets, traced)
         if plan is None:  # nothing needs a gradient: there is nothing to checkpoint
             return self.fn(*args, **kwargs)
         record(plan)
@@ -237,33 +244,41 @@ class Rematerialized:
         settings = (policy, self.static_argnums, self.static_argnames, self.debug, self.region)
         return plan_cache(self.fn, settings, self.region, self.cache_size)
 
-    def _build(self, call: Call, policy: Callable[..., bool] | None) -> Runnable | None:
+    def _build(self, call: Call, policy: Callable[..., bool] | None, plans: PlanCache) -> tuple[Runnable | None, bool]:
+        """The plan for this call, and whether the function was traced for it (not when
+        a template of an earlier size served)."""
         self._traces += 1
         with fake_tensor_cache_bounded():
-            captured = capture(self.fn, self.region, call, policy)
+            if plans.templates is None:
+                plans.templates = Templates(plans.maxsize)
+            captured, joint, traced = plans.templates.graphs_for(self.fn, self.region, call, policy)
+            self._traces -= not traced
+            self._specialized += joint is not None
             warn_unmatched_references(captured.scopes, captured.graph.graph)
             signature = graph_signature(captured)
             key = None if signature is None else (signature, self.debug, transforms_active(), nested_gradients())
             shared = None if key is None else shared_plan(key)
             if shared is not None:  # another region traced the same graph: reuse its partition
-                return shared.for_capture(captured, self.region)  # type: ignore[no-any-return]
-            plan = self._plan(captured, captured.mutated)
+                return shared.for_capture(captured, self.region), traced
+            plan = self._plan(captured, captured.mutated, joint)
             if key is not None and isinstance(plan, Plan):
                 share_plan(key, plan)
-            return plan
+            return plan, traced
 
-    def _plan(self, captured: Captured, updated: Sequence[int]) -> Runnable | None:
+    def _plan(self, captured: Captured, updated: Sequence[int], joint: torch.fx.GraphModule | None = None) -> Runnable | None:
         """A Plan for the captured graph, or a Chain of plans where outputs feed other
-        outputs. `updated`: the inputs the region updates after its forward."""
+        outputs. `updated`: the inputs the region updates after its forward; `joint`: the
+        forward+backward graph when a template gave it."""
         diff_inputs = [i for i, needs in enumerate(captured.input_needs_grad) if needs]
         if not diff_inputs:
             return None
-        halves = split_at_outputs(captured)
+        halves = split_at_outputs(captured) if joint is None else None  # templates are never chains
         if halves is not None:
             first, rest, first_positions = halves
             return Chain(captured, self._plan(first, updated), self._plan(rest, updated), first_positions)  # type: ignore[arg-type]
         float_outputs = [j for j, differentiable in enumerate(captured.output_differentiable) if differentiable]
-        joint = differentiate(captured, diff_inputs, float_outputs)
+        if joint is None:
+            joint = differentiate(captured, diff_inputs, float_outputs)
         n_outputs = captured.n_outputs + len(captured.mutated)
         decide = policy_decider(captured.scopes)
         part = partition(

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import itertools
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
@@ -115,10 +117,76 @@ def preserve_node_meta() -> contextlib.AbstractContextManager[None]:
 
 
 def new_fake_mode() -> Any:
-    """A FakeTensorMode that accepts real constants captured by the traced function (torch 2.13)."""
+    """A FakeTensorMode that accepts real constants captured by the traced function; inside
+    `symbolic_tracing`, that trace's one mode (torch 2.13)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    symbolic = _SYMBOLIC.get()
+    if symbolic is not None:
+        return symbolic[0]
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+# While a template is traced with symbolic sizes: its fake mode (with a shape environment)
+# and, per id of a real input tensor, the dimensions traced as symbols.
+_SYMBOLIC: contextvars.ContextVar[tuple[Any, dict[int, frozenset[int]]] | None] = contextvars.ContextVar(
+    "remat_symbolic", default=None
+)
+
+
+@contextlib.contextmanager
+def symbolic_tracing(dims: dict[int, frozenset[int]]) -> Iterator[Any]:
+    """Every fake tensor mode asked for inside is one mode with a shape environment, so
+    the dimensions `dims` names (per id of a real tensor) are traced as symbols, each at
+    least 2 (torch specializes 0 and 1), and what the trace assumes of them is recorded
+    as guards (torch 2.13, fx.experimental.symbolic_shapes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(duck_shape=False))
+    mode.cache_enabled = False  # its entries hold symbolic sizes, slower to rebuild than to compute
+    token = _SYMBOLIC.set((mode, dims))
+    fake_tensor_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_tensor_log.level
+    fake_tensor_log.setLevel(logging.CRITICAL)  # it logs each meta function symbolic sizes defeat
+    try:
+        yield mode
+    finally:
+        fake_tensor_log.setLevel(level)
+        _SYMBOLIC.reset(token)
+
+
+def symbolic_stand_in(t: torch.Tensor) -> torch.Tensor | None:
+    """Inside `symbolic_tracing`, a fake of real tensor `t` whose marked dimensions are
+    symbols (its strides and storage offset follow from them); None elsewhere."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
+    symbolic = _SYMBOLIC.get()
+    if symbolic is None or isinstance(t, FakeTensor):
+        return None
+    mode, dims = symbolic
+    marked = dims.get(id(t), frozenset())
+    sizes = [DimDynamic.DYNAMIC if d in marked else DimDynamic.STATIC for d in range(t.dim())]
+    return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))  # type: ignore[no-any-return]
+
+
+def guards_expression(mode: Any, placeholders: list[Any]) -> str | None:
+    """What a symbolic trace assumed, as one Python expression over the sizes, strides and
+    storage offsets of the graph's inputs, static ones included (torch 2.13)."""
+    return mode.shape_env.produce_guards_expression(placeholders, ignore_static=False)  # type: ignore[no-any-return]
+
+
+def guards_hold(mode: Any, expression: str | None, inputs: list[torch.Tensor]) -> bool:
+    return expression is None or bool(mode.shape_env.evaluate_guards_expression(expression, inputs))
+
+
+def symbolic_expression(mode: Any, value: Any) -> Any:
+    """The sympy expression of a SymInt/SymFloat/SymBool in its simplest known form
+    (symbols the trace proved equal replaced by one), or None for a plain value."""
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return mode.shape_env.replace(value.node.expr)
+    return None
 
 
 def autocast_state() -> tuple[Any, ...]:

@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import math
 import operator
 import types
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from ._torch_internals import (
     autograd_engine_running,
     new_fake_mode,
     preserve_node_meta,
+    symbolic_stand_in,
     trace_on_fakes,
     tracing_isolated,
     tracing_node,
@@ -193,18 +195,30 @@ class Captured:
 
 
 def _fake_like(mode: Any, t: torch.Tensor) -> torch.Tensor:
-    """A fake with `t`'s shape, strides and storage offset (which `as_strided` reads)."""
-    with mode:
-        try:
-            stride = tuple(t.stride())
-            offset = t.storage_offset()
-        except RuntimeError:  # no strides (sparse): a plain dense stand-in
+    """A fake with `t`'s shape, strides and storage offset (which `as_strided` reads); in a
+    symbolic trace, a real tensor's marked dimensions are symbols."""
+    stand_in = symbolic_stand_in(t)
+    if stand_in is not None:  # its own fake, not the one torch memoizes for `t` (an input may repeat)
+        t = stand_in
+    try:
+        stride = tuple(t.stride())
+        offset = t.storage_offset()
+    except RuntimeError:  # no strides (sparse): a plain dense stand-in
+        with mode:
             return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
+    return fake_with_layout(mode, tuple(t.shape), stride, offset, t.dtype, t.device)
+
+
+def fake_with_layout(
+    mode: Any, shape: tuple[Any, ...], stride: tuple[Any, ...], offset: Any, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A fake tensor of this shape, strides and storage offset."""
+    with mode:
         if offset == 0:
-            return torch.empty_strided(tuple(t.shape), stride, dtype=t.dtype, device=t.device)
-        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, stride)) if t.numel() else 0
-        base = torch.empty(offset + extent, dtype=t.dtype, device=t.device)
-        return base.as_strided(tuple(t.shape), stride, offset)
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if math.prod(shape) else 0
+        base = torch.empty(offset + extent, dtype=dtype, device=device)
+        return base.as_strided(shape, stride, offset)
 
 
 def _fake_contiguous(mode: Any, t: torch.Tensor) -> torch.Tensor:

@@ -76,10 +76,10 @@ def _every_graph_keeps_the_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
     build = _remat.Rematerialized._build
 
     def checked_build(self: Any, *args: Any, **kwargs: Any) -> Any:
-        plan = build(self, *args, **kwargs)
+        plan, traced = build(self, *args, **kwargs)
         for part in plan.plans() if plan is not None else ():
             check(part.captured.graph, part.part.forward, part.part.forward_pure, part.part.backward)
-        return plan
+        return plan, traced
 
     higher_order = _executing.Plan.higher_order
 

@@ -10,6 +10,7 @@ AssertionError for a wrong result or any other error. The tests in test_opinfo.p
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
@@ -296,12 +297,116 @@ def run_shared_case(op_name: str, transform: str) -> list[tuple[str, str, str]]:
     return [("0", "nothing", "shared" if len(joints) == before else "pass")]
 
 
+# OpInfo's sample functions size their tensors with the module constants S and M (5 and 10):
+# the same sample drawn under other values is the same call at other sizes.
+RESIZED = ({"S": 5, "M": 10}, {"S": 7, "M": 12}, {"S": 6, "M": 11}, {"S": 4, "M": 13})  # M > S, as samples assume
+_IDENTITY = cmi.SampleInput(torch.empty(0)).output_process_fn_grad.__code__
+
+
+@contextlib.contextmanager
+def _sample_sizes(sizes: dict[str, int]) -> Iterator[None]:
+    modules = [m for n, m in list(sys.modules.items()) if n.startswith("torch.testing._internal") and hasattr(m, "S")]
+    saved = [(m, name, getattr(m, name)) for m in modules for name in sizes if hasattr(m, name)]
+    for module, name, _ in saved:
+        setattr(module, name, sizes[name])
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def _structure(sample: Any) -> tuple[Any, list[Any], Any] | None:
+    """(what must match between sizes, leaves, spec); None for a sample not taken."""
+    if getattr(sample.output_process_fn_grad, "__code__", None) is not _IDENTITY:
+        return None
+    leaves, spec = optree.tree_flatten((sample.input, sample.args, sample.kwargs))  # type: ignore[arg-type]
+    if any(isinstance(x, torch.Tensor) and x.layout != torch.strided for x in leaves):
+        return None
+    kinds = tuple(("tensor", x.dim(), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else repr(x) for x in leaves)
+    return (spec, kinds), leaves, spec
+
+
+def _resized_group(op: Any) -> list[tuple[list[Any], Any]]:
+    """The op's first sample that OpInfo draws alike (same arguments, ranks, dtypes) under
+    every value of RESIZED but with other sizes: its (leaves, spec) at each."""
+    drawn = []
+    for sizes in RESIZED:
+        with _sample_sizes(sizes):
+            try:
+                samples = zip(range(SAMPLES_PER_OP), op.sample_inputs("cpu", D, requires_grad=True))
+                drawn.append([_structure(sample) for _, sample in samples])
+            except Exception:  # a sample function that assumes the usual sizes
+                return []
+    for index, first in enumerate(drawn[0]):
+        if first is None:
+            continue
+        group = [at[index] for at in drawn if index < len(at) and at[index] is not None and at[index][0] == first[0]]
+        shapes = {tuple(tuple(x.shape) for x in leaves if isinstance(x, torch.Tensor)) for _, leaves, _ in group}
+        if len(group) == len(RESIZED) and len(shapes) >= 3:
+            return [(leaves, spec) for _, leaves, spec in group]
+    return []
+
+
+def run_resized_case(op_name: str) -> list[tuple[str, str, str]]:
+    """One region of an op called on its samples of other sizes, in turn: the second size
+    traces a template with the changed dimensions symbolic, later sizes are specialized
+    from it without tracing. Each call must match no remat (.backward(), nothing_saveable).
+    Outcome per call: "traced", "specialized", "refused" or "torch-cant"."""
+    group = _resized_group(OPS[op_name])
+    if not group:
+        return []
+    first_leaves, spec = group[0]
+    diff = [i for i, x in enumerate(first_leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not diff:
+        return []
+    current = list(first_leaves)  # the sample being run: the region captures its other tensors here
+    op = OPS[op_name]
+
+    def fn(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        full = list(current)
+        for i, t in zip(diff, tensors):
+            full[i] = t
+        inp, args, kwargs = optree.tree_unflatten(spec, full)
+        tensors_out = [x for x in optree.tree_leaves(op(inp, *args, **kwargs)) if isinstance(x, torch.Tensor)]  # type: ignore[arg-type]
+        floating = tuple(x for x in tensors_out if x.is_floating_point() or x.is_complex())
+        return floating, tuple(x for x in tensors_out if not (x.is_floating_point() or x.is_complex()))
+
+    region = remat(fn, policy=P.nothing_saveable)
+    rows = []
+    for index, (leaves, _) in enumerate(group):
+        current[:] = leaves
+        case = Case(fn, [leaves[i].detach() for i in diff])
+        where = f"{op_name}, resized sample {index} of {len(group)}, backward, nothing"
+        try:
+            expected = transform_backward(fn, case)
+        except Exception:
+            rows.append((str(index), "nothing", "torch-cant"))
+            continue
+        specialized = region.cache_info()["specialized"]
+        try:
+            actual = transform_backward(region, case)
+        except RematError as error:
+            if op_name not in KNOWN_REFUSALS:
+                raise AssertionError(f"{where}: refused, and not a known refusal: {error}") from error
+            rows.append((str(index), "nothing", "refused"))
+            continue
+        except Exception as error:
+            raise AssertionError(f"{where}: raised {type(error).__name__}: {error}") from error
+        try:
+            torch.testing.assert_close(actual, expected, equal_nan=True)
+        except AssertionError as error:
+            raise AssertionError(f"{where}: WRONG result: {error}") from None
+        rows.append((str(index), "nothing", "specialized" if region.cache_info()["specialized"] > specialized else "traced"))
+    return rows
+
+
 def main() -> None:
     """Run the whole sweep; print the outcome counts per transform and every failure."""
     import warnings
 
     warnings.simplefilter("ignore")
-    transforms = sys.argv[1:] or [*TRANSFORMS, *(f"shared_{t}" for t in SHARED_TRANSFORMS)]
+    transforms = sys.argv[1:] or [*TRANSFORMS, *(f"shared_{t}" for t in SHARED_TRANSFORMS), "resized"]
     for transform in transforms:
         counts: collections.Counter[str] = collections.Counter()
         failures = []
@@ -309,7 +414,10 @@ def main() -> None:
         for name in OPS:
             try:
                 shared = transform.startswith("shared_")
-                rows = run_shared_case(name, transform[len("shared_"):]) if shared else run_case(name, transform)
+                if transform == "resized":
+                    rows = run_resized_case(name)
+                else:
+                    rows = run_shared_case(name, transform[len("shared_"):]) if shared else run_case(name, transform)
                 counts.update(outcome for _, _, outcome in rows)
             except AssertionError as error:
                 counts["FAILED"] += 1

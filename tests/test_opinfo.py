@@ -1,13 +1,13 @@
 """torch's OpInfo database as the oracle: every op that supports autograd in float64, its
 sample inputs, under vjp / .backward() / vmap(grad) / grad(grad) and the built-in
-policies, and through a plan shared between two regions, against the same call without
-remat (see opinfo_cases.py). The outcome counts per transform are printed at the end of
+policies, through a plan shared between two regions, and at other sizes (a template's
+specialized plans), against the same call without remat (see opinfo_cases.py). The outcome counts per transform are printed at the end of
 the run."""
 
 from __future__ import annotations
 
 import pytest
-from opinfo_cases import OPS, SHARED_TRANSFORMS, TRANSFORMS, run_case, run_shared_case
+from opinfo_cases import OPS, SHARED_TRANSFORMS, TRANSFORMS, run_case, run_resized_case, run_shared_case
 
 pytestmark = [pytest.mark.opinfo, pytest.mark.filterwarnings("ignore")]  # torch's deprecation warnings, unmatched policies
 
@@ -28,3 +28,11 @@ def test_a_plan_shared_between_regions_matches_no_remat(
     the first's plan when the graphs are the same; either way it matches no remat."""
     rows = run_shared_case(op_name, transform)
     record_property("opinfo", [(f"shared plan, {transform}", outcome) for _, _, outcome in rows])
+
+
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_an_op_at_other_sizes_matches_no_remat(op_name: str, record_property: pytest.RecordProperty) -> None:
+    """One region called on the same sample drawn at other sizes: the second size traces a
+    template, later ones are specialized from it; each matches no remat."""
+    rows = run_resized_case(op_name)
+    record_property("opinfo", [("other sizes, backward", outcome) for _, _, outcome in rows])

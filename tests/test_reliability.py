@@ -166,16 +166,20 @@ def test_an_exception_in_backward_leaves_everything_usable() -> None:
     assert_close(torch.autograd.grad(remat(block)(x[None], torch.eye(4, dtype=D)).sum(), x)[0].shape, torch.Size([4]))
 
 
+def scaled_block(x: torch.Tensor, w: torch.Tensor, scale: int) -> torch.Tensor:
+    return block(x, w) * scale
+
+
 def test_the_plan_cache_is_bounded_and_retracing_warns_naming_what_changed() -> None:
-    clear_cache(block)  # plans are per function: other tests' calls of `block` share them
-    f = remat(block, cache_size=4)
-    w = torch.randn(3, 3, dtype=D, requires_grad=True)
-    with pytest.warns(RematRetraceWarning, match=r"traced 8 times.*argument x: float64\[7, 3\].* -> float64\[8, 3\]"):
-        for n in range(1, 9):
-            f(torch.randn(n, 3, dtype=D), w).sum().backward()
-    assert f.cache_info() == {"hits": 0, "traces": 8, "size": 4, "maxsize": 4}
-    f(torch.randn(8, 3, dtype=D), w)  # among the 4 most recent: a hit
-    f(torch.randn(1, 3, dtype=D), w)  # evicted: traced again
+    clear_cache(scaled_block)  # plans are per function: other tests' calls share them
+    f = remat(scaled_block, cache_size=4, static_argnums=2)
+    x, w = torch.randn(4, 3, dtype=D), torch.randn(3, 3, dtype=D, requires_grad=True)
+    with pytest.warns(RematRetraceWarning, match=r"traced 8 times.*argument scale: 7 -> 8"):
+        for scale in range(1, 9):  # a static value: each one a trace (sizes would share a template)
+            f(x, w, scale).sum().backward()
+    assert f.cache_info() == {"hits": 0, "traces": 8, "specialized": 0, "size": 4, "maxsize": 4}
+    f(x, w, 8)  # among the 4 most recent: a hit
+    f(x, w, 1)  # evicted: traced again
     assert f.cache_info()["hits"] == 1 and f.cache_info()["traces"] == 9
     clear_cache()
     assert f.cache_info()["size"] == 0
