@@ -152,6 +152,7 @@ def measure_lengths(device: torch.device, lengths: list[int]) -> dict[str, Any]:
             rows[key] = {
                 "variant": name, "compiled": compiled, "total_s": total,
                 "remat_traces": wrapped()["traces"] if wrapped and not compiled else None,
+                "remat_specialized": wrapped()["specialized"] if wrapped and not compiled else None,
                 "dynamo_graphs": int(counters["stats"]["unique_graphs"]) if compiled else None,
             }
             B.log(f"lengths: {key}: {total:.1f} s {rows[key]}")
@@ -212,8 +213,9 @@ def render(result: dict[str, Any]) -> str:
         f"**Variable sequence lengths.** One pass over {len(v['lengths'])} batches with lengths "
         f"{min(v['lengths'])}-{max(v['lengths'])} ({len(set(v['lengths']))} distinct), gpt_sdpa {v['layers']} layers, "
         f"d_model {v['d_model']}, batch {v['batch']}, wall clock, compilation included (inductor's caches "
-        "off, so no variant reuses another's); traces: remat plans traced (eager), dynamo graphs compiled "
-        "(compiled).",
+        "off, so no variant reuses another's); traces: remat's traces of the block (eager; the second length's is "
+        "the template with the length symbolic) and, in brackets, plans specialized from that template without "
+        "tracing; dynamo graphs compiled (compiled).",
         "",
         "| variant | eager total s | eager remat traces | compiled total s | compiled graphs |",
         "|---|---:|---:|---:|---:|",
@@ -221,6 +223,8 @@ def render(result: dict[str, Any]) -> str:
     dynamic = v["rows"]["dynamic"]
     for label, eager, compiled in _eager_and_compiled({k: row for k, row in v["rows"].items() if k != "dynamic"}):
         traces = "" if eager["remat_traces"] is None else str(eager["remat_traces"])
+        if eager.get("remat_specialized") is not None:
+            traces += f" (+{eager['remat_specialized']} specialized)"
         lines.append(f"| {label} | {eager['total_s']:.2f} | {traces} | {compiled['total_s']:.2f} | {compiled['dynamo_graphs']} |")
     lines.append(f"| remat dots_saveable, `dynamic=True` (eager model) | {dynamic['total_s']:.2f} | {dynamic['dynamo_graphs']} graphs |  |  |")
     lines += ["", "**Per-call overhead of a cache hit** (bench/overhead.py's measurement, same run):", ""]

@@ -12,6 +12,8 @@ The layer is the one issue 12 names: hidden 256, 8 heads, seq 128, batch 2, rand
   wide warm-up and torch's fake-tensor cache are shared, the plan is not;
 - a new layer's first call while another layer like it is alive (a model's further layers):
   it traces its stage-1 graph, finds it the same, and shares the other's plan.
+Then new sequence lengths of a layer traced at 128: the second length traces the template
+(the length symbolic), later ones are specialized from it without tracing.
 The phases are timed by wrapping remat's own stage functions (bench-only instrumentation):
 stage 1 (`capture`: the function traced on fake tensors, then its passes), the joint
 forward+backward trace (`differentiate`), the partition, and the rest (the first run with
@@ -59,7 +61,7 @@ def _instrument() -> None:
         setattr(module, name, wrapped)
 
 
-def _layer_and_call() -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+def _layer_and_call(seq: int = 128) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
     import torch
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -68,8 +70,8 @@ def _layer_and_call() -> tuple[Callable[[], Any], Callable[[Any], Any]]:
         hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=8,
         num_hidden_layers=1, vocab_size=100, attn_implementation="sdpa",
     )
-    x = torch.randn(2, 128, 256, requires_grad=True)
-    positions = torch.arange(128)[None].expand(2, -1)
+    x = torch.randn(2, seq, 256, requires_grad=True)
+    positions = torch.arange(seq)[None].expand(2, -1)
     cos, sin = LlamaRotaryEmbedding(config)(x, positions)
 
     def new_layer() -> Any:
@@ -114,6 +116,33 @@ def one_first_call(kind: str) -> dict[str, float]:
     return times
 
 
+def new_lengths(repeat: int) -> dict[str, list[float]]:
+    """Seconds of the first call at a new sequence length of a layer traced at 128: the
+    second length (remat traces the template, the length symbolic) and each later one
+    (specialized from it, nothing traced); and a call at a length already seen."""
+    import torch
+
+    import remat
+    from remat import policies as P
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    new_layer, _ = _layer_and_call()
+    times: dict[str, list[float]] = {"template": [], "specialized": [], "hit": []}
+    for r in range(repeat):
+        remat.clear_cache()
+        region = remat.remat(new_layer(), policy=P.dots_saveable)
+        _layer_and_call(128)[1](region)
+        for seq, kind in ((120, "template"), (100 + r, "specialized"), (110 + r, "specialized"), (110 + r, "hit")):
+            call = _layer_and_call(seq)[1]
+            start = time.perf_counter()
+            call(region)
+            times[kind].append(time.perf_counter() - start)
+        info = region.cache_info()
+        assert (info["traces"], info["specialized"], info["hits"]) == (2, 3, 1), info
+    return times
+
+
 def summary(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     keys = ["total", *PHASES, "rest", "second call"]
     ms = {k: [1e3 * r[k] for r in runs] for k in keys}
@@ -131,7 +160,13 @@ def measure(repeat: int) -> dict[str, Any]:
         runs["fresh"].append(json.loads(out.stdout.strip().splitlines()[-1]))
     for kind in ("warm", "shared"):
         runs[kind] = [one_first_call(kind) for _ in range(repeat)]
-    return {"repeat": repeat, "load_average": os.getloadavg()[0], **{KINDS[k]: summary(v) for k, v in runs.items()}}
+    lengths = {
+        kind: {"min_ms": 1e3 * min(v), "median_ms": 1e3 * statistics.median(v)} for kind, v in new_lengths(repeat).items()
+    }
+    return {
+        "repeat": repeat, "load_average": os.getloadavg()[0], **{KINDS[k]: summary(v) for k, v in runs.items()},
+        "new lengths": lengths,
+    }
 
 
 def render_table(result: dict[str, Any]) -> list[str]:
@@ -142,6 +177,16 @@ def render_table(result: dict[str, Any]) -> list[str]:
     for name in KINDS.values():
         row = result[name]
         lines.append(f"| {name} | " + " | ".join(f"{row[k]['min_ms']:.0f} ({row[k]['median_ms']:.0f})" for k in columns) + " |")
+    lengths = result.get("new lengths")
+    if lengths:
+        names = {
+            "template": "new length after 128: the second (traces the template, length symbolic)",
+            "specialized": "new length after that (specialized from the template, no trace)",
+            "hit": "a length seen before (for comparison)",
+        }
+        for kind, name in names.items():
+            row = lengths[kind]
+            lines.append(f"| {name} | {row['min_ms']:.0f} ({row['median_ms']:.0f}) |" + " |" * (len(columns) - 1))
     return lines
 
 

@@ -25,6 +25,7 @@ import torch.fx
 from ._arguments import Call
 from ._chaining import split_at_outputs
 from ._torch_internals import (
+    fake_of_layout,
     graph_module,
     guards_expression,
     guards_hold,
@@ -33,7 +34,7 @@ from ._torch_internals import (
     symbolic_tracing,
     transforms_active,
 )
-from ._tracing import Captured, capture, differentiate, fake_with_layout
+from ._tracing import Captured, capture, differentiate
 
 _SYMBOLIC_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
@@ -105,7 +106,7 @@ class _AtSizes:
     def value(self, value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             scalar = self.scalar
-            fake = fake_with_layout(
+            fake = fake_of_layout(
                 self.concrete_mode, tuple(scalar(n) for n in value.shape), tuple(scalar(s) for s in value.stride()),
                 scalar(value.storage_offset()), value.dtype, value.device,
             )
@@ -132,7 +133,7 @@ class _AtSizes:
             )
             new = graph.create_node(node.op, node.target, args, kwargs, node.name)  # type: ignore[arg-type]
             new.meta = {key: item for key, item in node.meta.items() if key != "tensor_meta"}
-            if "val" in node.meta:
+            if "val" in node.meta and node.op != "get_attr":  # a constant's value has no symbolic size
                 new.meta["val"] = self.value(val)
             env[node] = new
         return graph_module(gm, graph)

@@ -189,6 +189,21 @@ def symbolic_expression(mode: Any, value: Any) -> Any:
     return None
 
 
+def fake_of_layout(
+    mode: Any, shape: tuple[int, ...], stride: tuple[int, ...], offset: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A fake tensor of this concrete layout, made by wrapping a meta tensor instead of
+    dispatching through the fake mode (about 20x cheaper; torch 2.13, FakeTensor.__new__)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if offset == 0:
+        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    else:
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+        meta = torch.empty(offset + extent, dtype=dtype, device="meta").as_strided(shape, stride, offset)
+    return FakeTensor(mode, meta, device)
+
+
 def autocast_state() -> tuple[Any, ...]:
     """Everything autocast that changes what a traced graph computes."""
     state: list[Any] = []
@@ -296,7 +311,10 @@ def size_hint(size: Any) -> int:
     """A concrete int for a size that may be symbolic (under torch.compile's dynamic
     shapes), without adding a guard (torch 2.13, fx.experimental.symbolic_shapes)."""
     if isinstance(size, torch.SymInt):
-        from torch.fx.experimental.symbolic_shapes import optimization_hint
+        try:
+            from torch.fx.experimental.symbolic_shapes import optimization_hint
+        except ImportError:  # torch 2.11 (the GPU image's) calls it size_hint
+            from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
 
         return int(optimization_hint(size))
     return int(size)

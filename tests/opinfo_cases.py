@@ -219,21 +219,28 @@ def run_case(op_name: str, transform: str) -> list[tuple[str, str, str]]:
             continue
         for policy in policies:
             where = f"{op_name}, {transform}, sample {index}, {policy}"
-            try:
-                actual = runner(remat(case.fn, policy=POLICIES[policy]), case)
-            except RematError as error:
-                if op_name not in KNOWN_REFUSALS:
-                    raise AssertionError(f"{where}: refused, and not a known refusal: {error}") from error
-                rows.append((str(index), policy, "refused"))
-                continue
-            except Exception as error:
-                raise AssertionError(f"{where}: raised {type(error).__name__}: {error}") from error
-            try:
-                torch.testing.assert_close(actual, expected, equal_nan=True)
-            except AssertionError as error:
-                raise AssertionError(f"{where}: WRONG result: {error}") from None
-            rows.append((str(index), policy, "pass"))
+            region = remat(case.fn, policy=POLICIES[policy])
+            matched = _matches(op_name, where, lambda: runner(region, case), expected)
+            rows.append((str(index), policy, "pass" if matched else "refused"))
     return rows
+
+
+def _matches(op_name: str, where: str, run: Callable[[], Any], expected: Any) -> bool:
+    """Run remat's side: True when it matches no remat, False when remat refused (a known
+    refusal); AssertionError for a wrong result, an unknown refusal or any other error."""
+    try:
+        actual = run()
+    except RematError as error:
+        if op_name not in KNOWN_REFUSALS:
+            raise AssertionError(f"{where}: refused, and not a known refusal: {error}") from error
+        return False
+    except Exception as error:
+        raise AssertionError(f"{where}: raised {type(error).__name__}: {error}") from error
+    try:
+        torch.testing.assert_close(actual, expected, equal_nan=True)
+    except AssertionError as error:
+        raise AssertionError(f"{where}: WRONG result: {error}") from None
+    return True
 
 
 def _perturbed(t: Any) -> Any:
@@ -384,19 +391,9 @@ def run_resized_case(op_name: str) -> list[tuple[str, str, str]]:
             rows.append((str(index), "nothing", "torch-cant"))
             continue
         specialized = region.cache_info()["specialized"]
-        try:
-            actual = transform_backward(region, case)
-        except RematError as error:
-            if op_name not in KNOWN_REFUSALS:
-                raise AssertionError(f"{where}: refused, and not a known refusal: {error}") from error
+        if not _matches(op_name, where, lambda: transform_backward(region, case), expected):
             rows.append((str(index), "nothing", "refused"))
             continue
-        except Exception as error:
-            raise AssertionError(f"{where}: raised {type(error).__name__}: {error}") from error
-        try:
-            torch.testing.assert_close(actual, expected, equal_nan=True)
-        except AssertionError as error:
-            raise AssertionError(f"{where}: WRONG result: {error}") from None
         rows.append((str(index), "nothing", "specialized" if region.cache_info()["specialized"] > specialized else "traced"))
     return rows
 

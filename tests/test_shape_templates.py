@@ -115,6 +115,22 @@ def test_random_ops_and_layouts_at_specialized_sizes_match_no_remat() -> None:
     assert region.cache_info()["specialized"] == 3
 
 
+def test_batch_norm_at_specialized_batch_sizes_updates_running_statistics_as_eager() -> None:
+    """BatchNorm's running variance is corrected by n / (n - 1), a float computed from the
+    batch size: at each size its own value (a template that kept the traced one would not)."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.GELU()).double()
+    model = copy.deepcopy(reference)
+    region = rematerialize(model, policy=P.dots_saveable)
+    for batch in (2, 4, 3, 6):
+        x = _leaf(batch, 3, 6, 6, seed=batch)
+        assert_close(_step(region, x), _step(reference, x))
+        assert torch.equal(model[1].running_var, reference[1].running_var)
+        assert torch.equal(model[1].running_mean, reference[1].running_mean)
+        assert torch.equal(model[1].num_batches_tracked, reference[1].num_batches_tracked)
+    assert region.cache_info()["specialized"] == 3
+
+
 def test_a_function_returning_a_size_traces_each() -> None:
     def f(x: torch.Tensor) -> tuple[torch.Tensor, int]:
         return x.sin() * 2, x.shape[0]
