@@ -40,13 +40,16 @@ _TIMES: dict[str, float] = {}  # seconds per phase since the last clear
 
 def _instrument() -> None:
     """Accumulate wall time per phase in _TIMES (remat's own functions, wrapped where
-    `_remat` calls them), once per process."""
-    import remat._remat as module
+    they are called: stage 1 by `_specializing`, the others by `_remat`), once per process."""
+    import remat._remat
+    import remat._specializing
 
-    if getattr(module.capture, "_bench_timed", False):
+    callers = {"capture": remat._specializing, "differentiate": remat._remat, "partition": remat._remat}
+    if getattr(remat._specializing.capture, "_bench_timed", False):
         return
 
     for name in PHASES:
+        module = callers[name]
         original = getattr(module, name)
 
         def timed(*args: Any, _original: Callable[..., Any] = original, _name: str = name, **kwargs: Any) -> Any:
@@ -118,15 +121,19 @@ def one_first_call(kind: str) -> dict[str, float]:
 
 def new_lengths(repeat: int) -> dict[str, list[float]]:
     """Seconds of the first call at a new sequence length of a layer traced at 128: the
-    second length (remat traces the template, the length symbolic) and each later one
-    (specialized from it, nothing traced); and a call at a length already seen."""
+    second length (remat traces the template, the length symbolic: made to happen there,
+    not after per-length traces have cost as much, as by default) and each later one
+    (specialized from it, nothing traced); and a call at a length already seen. Run last:
+    it changes remat's template price for the process."""
     import torch
 
     import remat
+    from remat import _specializing
     from remat import policies as P
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
+    _specializing.TEMPLATE_COST_RATIO = 0.0  # the template at the second length (by default: once traces cost as much)
     new_layer, _ = _layer_and_call()
     times: dict[str, list[float]] = {"template": [], "specialized": [], "hit": []}
     for r in range(repeat):

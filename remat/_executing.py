@@ -41,6 +41,7 @@ class Plan:
     _higher_order: tuple[Partition, list[int], list[int]] | None = field(default=None, repr=False)
     _layouts_checked: set[int] = field(default_factory=set, repr=False)  # ids of graphs checked once
     extra_inputs: list[int] = field(default_factory=list)  # inputs kept only for second-order gradients
+    trace_seconds: float = 0.0  # what a plain trace of the function took (`_specializing` prices templates by it)
 
     def run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
         """Run one of this plan's graphs; its first run checks layouts against the trace."""

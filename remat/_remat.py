@@ -251,7 +251,8 @@ class Rematerialized:
         with fake_tensor_cache_bounded():
             if plans.templates is None:
                 plans.templates = Templates(plans.maxsize)
-            captured, joint, traced = plans.templates.graphs_for(self.fn, self.region, call, policy)
+            graphs = plans.templates.graphs_for(self.fn, self.region, call, policy)
+            captured, joint, traced = graphs.captured, graphs.joint, graphs.traced
             self._traces -= not traced
             self._specialized += joint is not None
             warn_unmatched_references(captured.scopes, captured.graph.graph)
@@ -259,9 +260,12 @@ class Rematerialized:
             key = None if signature is None else (signature, self.debug, transforms_active(), nested_gradients())
             shared = None if key is None else shared_plan(key)
             if shared is not None:  # another region traced the same graph: reuse its partition
+                graphs.charge(shared.trace_seconds)
                 return shared.for_capture(captured, self.region), traced
             plan = self._plan(captured, captured.mutated, joint)
+            trace_seconds = graphs.charge(None)
             if key is not None and isinstance(plan, Plan):
+                plan.trace_seconds = trace_seconds
                 share_plan(key, plan)
             return plan, traced
 

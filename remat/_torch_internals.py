@@ -314,7 +314,7 @@ def size_hint(size: Any) -> int:
         try:
             from torch.fx.experimental.symbolic_shapes import optimization_hint
         except ImportError:  # torch 2.11 (the GPU image's) calls it size_hint
-            from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
+            from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint  # type: ignore[attr-defined,no-redef]
 
         return int(optimization_hint(size))
     return int(size)

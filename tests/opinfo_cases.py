@@ -22,7 +22,7 @@ import torch.testing._internal.common_methods_invocations as cmi
 from torch.func import grad, vjp, vmap
 from torch.testing._internal.common_methods_invocations import op_db
 
-from remat import RematError, remat
+from remat import RematError, _specializing, remat
 from remat import policies as P
 
 D = torch.float64
@@ -381,21 +381,30 @@ def run_resized_case(op_name: str) -> list[tuple[str, str, str]]:
 
     region = remat(fn, policy=P.nothing_saveable)
     rows = []
-    for index, (leaves, _) in enumerate(group):
-        current[:] = leaves
-        case = Case(fn, [leaves[i].detach() for i in diff])
-        where = f"{op_name}, resized sample {index} of {len(group)}, backward, nothing"
-        try:
-            expected = transform_backward(fn, case)
-        except Exception:
-            rows.append((str(index), "nothing", "torch-cant"))
-            continue
-        specialized = region.cache_info()["specialized"]
-        if not _matches(op_name, where, lambda: transform_backward(region, case), expected):
-            rows.append((str(index), "nothing", "refused"))
-            continue
-        rows.append((str(index), "nothing", "specialized" if region.cache_info()["specialized"] > specialized else "traced"))
+    ratio, _specializing.TEMPLATE_COST_RATIO = _specializing.TEMPLATE_COST_RATIO, 0.0  # a template at the second size
+    try:
+        for index, (leaves, _) in enumerate(group):
+            rows.append(_resized_call(op_name, fn, region, current, leaves, diff, index, len(group)))
+    finally:
+        _specializing.TEMPLATE_COST_RATIO = ratio
     return rows
+
+
+def _resized_call(
+    op_name: str, fn: Callable[..., Any], region: Any, current: list[Any], leaves: list[Any], diff: list[int], index: int, n: int
+) -> tuple[str, str, str]:
+    """One call of the region on one sample: its outcome row."""
+    current[:] = leaves
+    case = Case(fn, [leaves[i].detach() for i in diff])
+    where = f"{op_name}, resized sample {index} of {n}, backward, nothing"
+    try:
+        expected = transform_backward(fn, case)
+    except Exception:
+        return (str(index), "nothing", "torch-cant")
+    specialized = region.cache_info()["specialized"]
+    if not _matches(op_name, where, lambda: transform_backward(region, case), expected):
+        return (str(index), "nothing", "refused")
+    return (str(index), "nothing", "specialized" if region.cache_info()["specialized"] > specialized else "traced")
 
 
 def main() -> None:

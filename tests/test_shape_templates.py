@@ -17,13 +17,22 @@ import pytest
 import torch
 
 import remat
-from remat import clear_cache, saved_residuals, saved_tensor_bytes
+from remat import _specializing, clear_cache, saved_residuals, saved_tensor_bytes
 from remat import policies as P
 from remat import remat as rematerialize
 
 from conftest import assert_close
 
 D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _templates_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A template as soon as a size changes (by default one is traced when per-size traces
+    have cost as much: test_a_template_is_traced_once_per_size_traces_cost_as_much)."""
+    monkeypatch.setattr(_specializing, "TEMPLATE_COST_RATIO", 0.0)
+
+
 LENGTHS = (8, 12, 5, 15, 2, 3)  # 8 traced, 12 traces the template, the others from it (model_zoo's models take 16 at most)
 
 
@@ -170,3 +179,30 @@ def test_no_template_under_torch_func_transforms() -> None:
         x = _leaf(n, 3, seed=n)
         assert_close(torch.func.grad(region, argnums=1)(x, w), torch.func.grad(f, argnums=1)(x, w))
     assert region.cache_info()["specialized"] == 0
+
+
+def test_a_template_is_traced_once_per_size_traces_cost_as_much(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ski rental: each build reads the clock twice, one tick apart, so every trace costs
+    1 and the template 3 of them; sizes 2, 3, 4 are traced (rent 3), the fourth size traces
+    the template, later ones are specialized. A like region sharing the first one's plans
+    prices the template by the plain trace it shares, not by its own cheaper stage 1."""
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(_specializing, "TEMPLATE_COST_RATIO", 3.0)
+    monkeypatch.setattr(_specializing, "_clock", lambda: float(next(ticks)))
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x @ w) @ w.t()
+
+    region = rematerialize(f, policy=P.dots_saveable)
+    w = _leaf(3, 3, seed=0)
+    for n in range(2, 9):
+        x = _leaf(n, 3, seed=n)
+        assert_close(_step(region, x, w), _step(f, x, w))
+    assert region.cache_info()["traces"] == 4  # 2, 3, 4, and the template at 5
+    assert region.cache_info()["specialized"] == 4  # 5, 6, 7, 8
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_specializing, "TEMPLATE_COST_RATIO", 1e9)  # a template never pays
+        never = rematerialize(lambda x, w: f(x, w) * 2, policy=P.dots_saveable)
+        for n in range(2, 9):
+            never(_leaf(n, 3, seed=n), w)
+        assert never.cache_info()["traces"] == 7 and never.cache_info()["specialized"] == 0
