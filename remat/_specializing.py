@@ -32,6 +32,7 @@ from ._torch_internals import (
     guards_hold,
     new_fake_mode,
     symbolic_expression,
+    symbolic_templates_work,
     symbolic_tracing,
     transforms_active,
 )
@@ -234,7 +235,7 @@ class Templates:
     def graphs_for(self, fn: Callable[..., Any], region: str, call: Call, policy: Callable[..., bool] | None) -> Graphs:
         """Stage 1 for this call and, from a template, its joint graph."""
         started = _clock()
-        if transforms_active():  # the trace depends on the transforms' levels: per signature
+        if transforms_active() or not symbolic_templates_work():  # under transforms the trace depends on their levels
             return Graphs(capture(fn, region, call, policy), None, True, None, started)
         shapes = [tuple(t.shape) for t in (*call.tensors, *call.captured)]
         key = call.key_without_sizes()

@@ -16,6 +16,20 @@ import torch
 from torch._functorch.utils import unwrap_dead_wrappers
 
 
+def torch_at_least(version: str) -> bool:
+    """Whether the running torch is `version` or newer (the suite's floor is 2.13; the GPU
+    machine's image has 2.11, where some of remat's paths are not available)."""
+    return bool(torch.torch_version.TorchVersion(torch.__version__) >= version)
+
+
+def symbolic_templates_work() -> bool:
+    """Whether a symbolic trace keeps its sizes symbolic under remat's dispatch modes: on
+    torch 2.11 a dispatch mode above fake tensors is asked `aten.size.default` by C++
+    kernels and the fake mode answers with ints, fixing every size (checked on 2.11.0 and
+    2.13.0)."""
+    return torch_at_least("2.13")
+
+
 def clear_transforms() -> contextlib.AbstractContextManager[Any]:
     """Hide active torch.func transforms, so tracing sees plain tensors (torch 2.13)."""
     from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack

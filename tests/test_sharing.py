@@ -21,6 +21,7 @@ from remat import _remat, clear_cache, saved_residuals
 from remat import policies as P
 from remat import remat as rematerialize
 from remat._inspecting import recording
+from remat._torch_internals import torch_at_least
 
 from conftest import assert_close
 
@@ -166,6 +167,8 @@ def test_tensors_made_inside_or_generators_passed_in_keep_regions_apart(joint_tr
 
         assert_close(_grads(rematerialize(scaled), x), _grads(scaled, x))
     assert len(joint_traces) == 2
+    if not torch_at_least("2.13"):  # torch 2.11's make_fx cannot record a Generator argument (test_exactness)
+        return
 
     for seed in (0, 1):
         generator = torch.Generator().manual_seed(seed)
