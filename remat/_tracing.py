@@ -345,8 +345,9 @@ def _refuse_stored_tracing_values(fn_name: str, fn: Callable[..., Any], call: Ca
 
 
 def _stand_in_reachable(value: Any, path: str, depth: int, seen: set[int]) -> str | None:
-    """The path of a tracing stand-in (fake tensor) reachable from `value`, if any."""
-    if isinstance(value, FakeTensor):
+    """The path of a tracing stand-in (a fake tensor, or a symbolic size of a template's
+    trace) reachable from `value`, if any."""
+    if isinstance(value, (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
         return path
     if depth == 0 or id(value) in seen or isinstance(value, (torch.Tensor, str, bytes, type)) or callable(value) and not (
         inspect.isfunction(value) or isinstance(value, torch.nn.Module)

@@ -144,6 +144,27 @@ def test_batch_norm_at_specialized_batch_sizes_updates_running_statistics_as_eag
     assert region.cache_info()["specialized"] == 3
 
 
+def test_a_function_storing_a_size_keeps_ints_and_traces_each() -> None:
+    """A symbolic trace would leave a symbolic size in an object the function writes to:
+    that size is traced as it is instead (the object then holds the int, as after any
+    trace)."""
+
+    class State:
+        length: Any = None
+
+    state = State()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        state.length = x.shape[0]
+        return x.sin() * 2
+
+    region = rematerialize(f)
+    for n in (3, 4, 5):
+        out = region(_leaf(n, 2, seed=n))
+        assert out.shape == (n, 2) and type(state.length) is int and state.length == n
+    assert region.cache_info()["specialized"] == 0
+
+
 def test_a_function_returning_a_size_traces_each() -> None:
     def f(x: torch.Tensor) -> tuple[torch.Tensor, int]:
         return x.sin() * 2, x.shape[0]
