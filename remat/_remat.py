@@ -215,7 +215,7 @@ class Rematerialized:
             return self.fn(*args, **kwargs)
         record(plan)
         captured = plan.captured
-        inputs = call.tensors + [call.captured[i] for i in captured.lifted] + captured.by_reference
+        inputs = captured.graph_inputs(call)
         results = plan.apply(inputs)
         if captured.mutated:
             self._apply_mutations(plan, inputs, results)

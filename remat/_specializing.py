@@ -26,6 +26,7 @@ import torch.fx
 from ._arguments import Call
 from ._chaining import split_at_outputs
 from ._torch_internals import (
+    SYMBOLIC_SCALARS,
     fake_of_layout,
     graph_module,
     guards_expression,
@@ -37,8 +38,6 @@ from ._torch_internals import (
     transforms_active,
 )
 from ._tracing import Captured, capture, differentiate
-
-_SYMBOLIC_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 class _NoTemplate(Exception):
@@ -58,7 +57,7 @@ class Template:
     def specialize(self, call: Call) -> tuple[Captured, torch.fx.GraphModule] | None:
         """The stage-1 and joint graphs for this call's sizes, or None if the guards fail."""
         captured = self.captured
-        inputs = call.tensors + [call.captured[i] for i in captured.lifted] + captured.by_reference
+        inputs = captured.graph_inputs(call)
         if not guards_hold(self.mode, self.guards, inputs):
             return None
         values = _AtSizes(self.mode, _bindings(self.mode, captured.input_values, inputs))
@@ -73,7 +72,7 @@ class Template:
 
 def _bindings(mode: Any, placeholders: list[Any], inputs: list[torch.Tensor]) -> dict[Any, Any]:
     """Each symbol of the graph's inputs, bound to this call's size."""
-    bindings: dict[Any, int] = {}
+    bindings: dict[Any, Any] = {}
     for fake, real in zip(placeholders, inputs):
         pairs = [*zip(fake.shape, real.shape), *zip(fake.stride(), real.stride()), (fake.storage_offset(), real.storage_offset())]
         for symbolic, concrete in pairs:
@@ -127,7 +126,7 @@ class _AtSizes:
                 graph.output(torch.fx.map_arg(node.args[0], env.__getitem__))
                 continue
             val = node.meta.get("val")
-            if node.op == "call_function" and isinstance(val, _SYMBOLIC_SCALARS):
+            if node.op == "call_function" and isinstance(val, SYMBOLIC_SCALARS):
                 env[node] = self.scalar(val)
                 continue
             args, kwargs = torch.fx.node.map_aggregate(  # nodes to copies, sizes a pass wrote in to values
@@ -158,7 +157,7 @@ def trace_template(
             raise _NoTemplate("nothing needs a gradient")
         if captured.reads_storage_offsets:
             raise _NoTemplate("as_strided reads an input: plans are per storage offset")
-        if any(isinstance(leaf, _SYMBOLIC_SCALARS) for leaf in captured.out_static):
+        if any(isinstance(leaf, SYMBOLIC_SCALARS) for leaf in captured.out_static):
             raise _NoTemplate("the function returns a size")
         if split_at_outputs(captured) is not None:
             raise _NoTemplate("outputs feed other outputs (a chain of plans)")

@@ -192,15 +192,24 @@ def guards_expression(mode: Any, placeholders: list[Any]) -> str | None:
 
 
 def guards_hold(mode: Any, expression: str | None, inputs: list[torch.Tensor]) -> bool:
+    """Whether `inputs` (real tensors, in the graph's input order) satisfy `guards_expression`'s result."""
     return expression is None or bool(mode.shape_env.evaluate_guards_expression(expression, inputs))
 
 
 def symbolic_expression(mode: Any, value: Any) -> Any:
     """The sympy expression of a SymInt/SymFloat/SymBool in its simplest known form
     (symbols the trace proved equal replaced by one), or None for a plain value."""
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+    if isinstance(value, SYMBOLIC_SCALARS):
         return mode.shape_env.replace(value.node.expr)
     return None
+
+
+SYMBOLIC_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool)  # what a symbolic trace computes sizes as
+
+
+def storage_extent(shape: tuple[Any, ...], stride: tuple[Any, ...]) -> Any:
+    """Elements a tensor of this shape and strides spans from its storage offset on."""
+    return 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
 
 
 def fake_of_layout(
@@ -213,8 +222,7 @@ def fake_of_layout(
     if offset == 0:
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     else:
-        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
-        meta = torch.empty(offset + extent, dtype=dtype, device="meta").as_strided(shape, stride, offset)
+        meta = torch.empty(offset + storage_extent(shape, stride), dtype=dtype, device="meta").as_strided(shape, stride, offset)
     return FakeTensor(mode, meta, device)
 
 

@@ -13,7 +13,6 @@ import contextlib
 import contextvars
 import functools
 import inspect
-import math
 import operator
 import types
 from dataclasses import dataclass, field
@@ -44,9 +43,11 @@ from ._nodes import (
 from ._passes import inner_backwards_as_eager, random_fills_in_memory_order, rrelu_as_product, writes_out_of_place
 from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
 from ._torch_internals import (
+    SYMBOLIC_SCALARS,
     autograd_engine_running,
     new_fake_mode,
     preserve_node_meta,
+    storage_extent,
     symbolic_stand_in,
     trace_on_fakes,
     tracing_isolated,
@@ -193,6 +194,11 @@ class Captured:
     reads_storage_offsets: bool = False  # as_strided reads an input: plans are per storage offset
     output_differentiable: list[bool] = field(default_factory=list)  # per tensor output: tracked by autograd
 
+    def graph_inputs(self, call: Call) -> list[torch.Tensor]:
+        """The call's tensors in this graph's input order: its arguments, the captured tensors
+        the graph reads, then the tensors it holds by reference."""
+        return call.tensors + [call.captured[i] for i in self.lifted] + self.by_reference
+
 
 def _fake_like(mode: Any, t: torch.Tensor) -> torch.Tensor:
     """A fake with `t`'s shape, strides and storage offset (which `as_strided` reads); in a
@@ -216,8 +222,7 @@ def fake_with_layout(
     with mode:
         if offset == 0:
             return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if math.prod(shape) else 0
-        base = torch.empty(offset + extent, dtype=dtype, device=device)
+        base = torch.empty(offset + storage_extent(shape, stride), dtype=dtype, device=device)
         return base.as_strided(shape, stride, offset)
 
 
@@ -347,7 +352,7 @@ def _refuse_stored_tracing_values(fn_name: str, fn: Callable[..., Any], call: Ca
 def _stand_in_reachable(value: Any, path: str, depth: int, seen: set[int]) -> str | None:
     """The path of a tracing stand-in (a fake tensor, or a symbolic size of a template's
     trace) reachable from `value`, if any."""
-    if isinstance(value, (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool)):
+    if isinstance(value, (FakeTensor, *SYMBOLIC_SCALARS)):
         return path
     if depth == 0 or id(value) in seen or isinstance(value, (torch.Tensor, str, bytes, type)) or callable(value) and not (
         inspect.isfunction(value) or isinstance(value, torch.nn.Module)
