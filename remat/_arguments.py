@@ -294,6 +294,19 @@ Setter = Callable[[Any], None]
 _PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
 
 
+class _PlainTypes(dict[type, bool]):
+    """Whether values of a type are plain (`_PLAIN`), decided once per type: reading a
+    module's settings on every call asks it of each attribute, and `isinstance` falls back
+    to a custom `__getattribute__` (transformers' configs) for every non-plain one."""
+
+    def __missing__(self, kind: type) -> bool:
+        self[kind] = plain = issubclass(kind, _PLAIN)
+        return plain
+
+
+_IS_PLAIN = _PlainTypes()
+
+
 def _item_setter(container: Any, key: Any) -> Setter:
     def set_item(value: Any) -> None:
         container[key] = value
@@ -347,14 +360,18 @@ def collect_captured(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[s
             paths.append(path)
             setters.append(setter)
         elif isinstance(value, torch.nn.Module):
+            is_plain = _IS_PLAIN
             for sub_name, sub in value.named_modules():
-                settings = [(k, v) for k, v in vars(sub).items() if isinstance(v, _PLAIN) and not k.startswith("_")]
+                settings = [(k, v) for k, v in vars(sub).items() if k[0] != "_" and is_plain[type(v)]]
                 flags.append((sub_name, type(sub), tuple(settings)))
                 prefix = f"{path}.{sub_name}" if sub_name else path
                 for table in (sub._parameters, sub._buffers):
                     for name, tensor in table.items():
-                        if tensor is not None:
-                            visit(tensor, f"{prefix}.{name}", _item_setter(table, name), depth + 1)
+                        if tensor is not None and id(tensor) not in seen:  # a tied weight is one input
+                            seen.add(id(tensor))
+                            found.append(tensor)
+                            paths.append(f"{prefix}.{name}")
+                            setters.append(_item_setter(table, name))
         elif isinstance(value, (list, dict)):
             items = enumerate(value) if isinstance(value, list) else value.items()
             for k, item in items:

@@ -71,7 +71,7 @@ class Plan:
 
     def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run the region: its outputs, the new values of mutated inputs, then kept values."""
-        return apply_function(RematFunction, self, *inputs)  # type: ignore[no-any-return]
+        return apply_function(RematFunction, self, inputs)  # type: ignore[no-any-return]
 
     def plans(self) -> list[Plan]:
         return [self]

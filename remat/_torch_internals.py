@@ -10,10 +10,9 @@ import contextlib
 import contextvars
 import itertools
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
-from torch._functorch.utils import unwrap_dead_wrappers
 
 
 def torch_at_least(version: str) -> bool:
@@ -350,14 +349,20 @@ def dispatch_modes_off() -> contextlib.AbstractContextManager[Any]:
     return _disable_current_modes()  # type: ignore[no-any-return]
 
 
-def apply_function(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """`function.apply(*args)`, cheaper outside torch.func transforms: there Function.apply
-    binds the arguments to `forward`'s signature (a no-op for a forward taking `*args`),
-    unwraps dead torch.func wrappers and calls the C++ apply, which this does directly
-    (torch 2.13, autograd/function.py Function.apply)."""
-    if torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return super(torch.autograd.Function, function).apply(*unwrap_dead_wrappers(args))  # type: ignore[misc]
+def apply_function(function: type[torch.autograd.Function], first: Any, tensors: Sequence[torch.Tensor]) -> Any:
+    """`function.apply(first, *tensors)`, cheaper outside torch.func transforms: there
+    Function.apply binds the arguments to `forward`'s signature (a no-op for a forward
+    taking `*args`), unwraps dead torch.func wrappers and calls the C++ apply, which this
+    does directly, the unwrapping with the C++ helper `unwrap_dead_wrappers` loops over
+    (torch 2.13, autograd/function.py Function.apply, _functorch/utils.py)."""
+    if _transforms_active():
+        return function.apply(first, *tensors)
+    return _cpp_apply(function, first, *map(_unwrap_if_dead, tensors))
+
+
+_transforms_active = torch._C._are_functorch_transforms_active
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_cpp_apply = vars(torch._C._FunctionBase)["apply"]  # called with the Function class first
 
 
 @torch._dynamo.assume_constant_result
