@@ -12,12 +12,13 @@ import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from ._caching import TRACE_LOCK
 from ._errors import RematError
+from ._graph_code import direct_code
 from ._layouts import run_checked
 from ._nodes import DIFFERENTIABLE_KEY
 from ._partitioning import Partition, partition
@@ -39,15 +40,17 @@ class Plan:
     float_outputs: list[int]  # outputs that receive cotangents
     region: str
     _higher_order: tuple[Partition, list[int], list[int]] | None = field(default=None, repr=False)
-    _layouts_checked: set[int] = field(default_factory=set, repr=False)  # ids of graphs checked once
+    # graphs (by id) whose layouts were checked on a first run, each with its direct code
+    _checked: dict[int, Callable[..., Any]] = field(default_factory=dict, repr=False)
     extra_inputs: list[int] = field(default_factory=list)  # inputs kept only for second-order gradients
     trace_seconds: float = 0.0  # what a plain trace of the function took (`_specializing` prices templates by it)
 
     def run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
         """Run one of this plan's graphs; its first run checks layouts against the trace."""
         try:
-            if id(gm) in self._layouts_checked:
-                return gm.forward(*inputs)  # what gm(...) runs, without nn.Module's call machinery
+            direct = self._checked.get(id(gm))
+            if direct is not None:
+                return direct(*inputs)  # what gm(...) runs, without nn.Module's call machinery
             outputs, checked = run_checked(gm, self.region, *inputs)
         except RuntimeError as error:
             if not transforms_active() or isinstance(error, RematError):
@@ -59,7 +62,7 @@ class Plan:
                 "Call that op outside the remat'd function."
             ) from error
         if checked:
-            self._layouts_checked.add(id(gm))
+            self._checked[id(gm)] = direct_code(gm)
         return outputs
 
     def for_capture(self, captured: Captured, region: str) -> Plan:

@@ -226,13 +226,19 @@ def fake_of_layout(
 
 
 def autocast_state() -> tuple[Any, ...]:
-    """Everything autocast that changes what a traced graph computes."""
+    """Everything autocast that changes what a traced graph computes (one constant when no
+    device's autocast is on, the common case, asked on every call: torch 2.13)."""
+    if not torch._C._is_any_autocast_enabled():
+        return _NO_AUTOCAST
     state: list[Any] = []
     for device in ("cpu", "cuda"):
         enabled = torch.is_autocast_enabled(device)
         state.append((device, enabled, torch.get_autocast_dtype(device) if enabled else None))
     state.append(torch.is_autocast_cache_enabled())
     return tuple(state)
+
+
+_NO_AUTOCAST = ("no autocast",)
 
 
 @contextlib.contextmanager
