@@ -12,6 +12,7 @@ import contextlib
 import dis
 import functools
 import inspect
+import operator
 import os
 import sysconfig
 import types
@@ -139,7 +140,7 @@ def positional_names(fn: Callable[..., Any]) -> tuple[str, ...]:
 def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
     """What a traced graph depends on: shape, strides, dtype, device, needs-grad."""
     try:
-        stride: tuple[int, ...] | None = tuple(t.stride())
+        stride: tuple[int, ...] | None = t.stride()  # a tuple already
     except RuntimeError:
         stride = None
     return (tuple(t.shape), stride, t.dtype, t.device, needs_grad(t))
@@ -147,9 +148,11 @@ def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
 
 def needs_grad(t: torch.Tensor) -> bool:
     """Whether any autograd level (plain, or an enclosing torch.func transform) tracks `t`."""
+    if t.requires_grad:  # only floating and complex tensors can
+        return True
     if not (t.is_floating_point() or t.is_complex()):
         return False
-    return t.requires_grad or any(level.requires_grad for level in transform_levels(t))  # t is the first level
+    return any(level.requires_grad for level in transform_levels(t)[1:])
 
 
 def split_call(
@@ -159,13 +162,15 @@ def split_call(
     kwargs: dict[str, Any],
     static_argnums: frozenset[int],
     static_argnames: frozenset[str],
+    memo: CaptureMemo | None = None,
 ) -> Call:
-    """Flatten (args, kwargs) into tensors and static leaves; collect captured tensors."""
+    """Flatten (args, kwargs) into tensors and static leaves; collect captured tensors
+    (through `memo`, the caller's CaptureMemo of `fn`, when given)."""
     if not kwargs and not static_argnums:
-        call = _split_tensor_args(fn, names, args)
+        call = _split_tensor_args(fn, names, args, memo)
         if call is not None:
             return call
-    return _split_flattened(fn, names, args, kwargs, static_argnums, static_argnames)
+    return _split_flattened(fn, names, args, kwargs, static_argnums, static_argnames, memo)
 
 
 def _split_flattened(
@@ -175,6 +180,7 @@ def _split_flattened(
     kwargs: dict[str, Any],
     static_argnums: frozenset[int],
     static_argnames: frozenset[str],
+    memo: CaptureMemo | None = None,
 ) -> Call:
     """split_call for any call: flattens the arguments with optree."""
     args = tuple(_Static(a) if (i in static_argnums or i - len(args) in static_argnums) else a for i, a in enumerate(args))
@@ -210,7 +216,7 @@ def _split_flattened(
                     "it a pytree of tensors."
                 ) from None
             key.append((type(leaf), leaf))
-    return _with_captured(fn, tensors, tensor_paths, leaves, spec, positions, key, leaf_paths)
+    return _with_captured(fn, tensors, tensor_paths, leaves, spec, positions, key, leaf_paths, memo)
 
 
 # Tensor types optree flattens as leaves (it registers neither); a subclass of them might
@@ -218,7 +224,9 @@ def _split_flattened(
 _LEAF_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _split_tensor_args(fn: Callable[..., Any], names: tuple[str, ...], args: tuple[Any, ...]) -> Call | None:
+def _split_tensor_args(
+    fn: Callable[..., Any], names: tuple[str, ...], args: tuple[Any, ...], memo: CaptureMemo | None = None
+) -> Call | None:
     """The common call, `f(x, w)` with plain strided tensors only: the Call (and key)
     _split_flattened builds, without flattening. None for any other call."""
     key: list[Any] = [None]
@@ -228,7 +236,7 @@ def _split_tensor_args(fn: Callable[..., Any], names: tuple[str, ...], args: tup
         key.append(tensor_signature(arg))
     spec, paths, positions = _positional_layout(names, len(args))
     key[0] = spec
-    return _with_captured(fn, list(args), paths, list(args), spec, positions, key, paths)
+    return _with_captured(fn, list(args), paths, list(args), spec, positions, key, paths, memo)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -248,10 +256,11 @@ def _with_captured(
     positions: Sequence[int],
     key: list[Any],
     leaf_paths: Sequence[str],
+    memo: CaptureMemo | None,
 ) -> Call:
     """The Call of split arguments, with what `fn` captures and the state a trace depends
     on added to the key (shared by both ways of splitting)."""
-    captured, captured_paths, captured_setters, flags = _collect_consistently(fn)
+    captured, captured_paths, captured_setters, flags = _collect_consistently(fn, memo)
     for captured_path, tensor in zip(captured_paths, captured):
         _refuse_unstrided(fn, captured_path, tensor)
         key.append(tensor_signature(tensor))
@@ -269,12 +278,69 @@ def _with_captured(
 _SUBSTITUTING = [0]
 
 
-def _collect_consistently(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[str], list[Setter | None], tuple[Any, ...]]:
+Collected = tuple[list[torch.Tensor], list[str], list["Setter | None"], tuple[Any, ...]]
+
+
+class CaptureMemo:
+    """What collect_captured last found for one plain function, with the objects it read
+    to find it (its code, closure cells' contents, the globals its code names). While
+    each is the same object and none is one collect_captured walks into (containers,
+    modules, partials, methods, the user's functions), the same walk would find the same
+    things: a call reads those objects and compares identities instead of walking."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: tuple[tuple[Any, ...], Collected] | None = None  # one attribute: swapped atomically
+
+    def lookup(self, roots: tuple[Any, ...]) -> Collected | None:
+        last = self.last
+        if last is not None and len(last[0]) == len(roots) and all(map(operator.is_, last[0], roots)):
+            return last[1]
+        return None
+
+    def remember(self, roots: tuple[Any, ...], found: Collected) -> None:
+        if not any(map(_walked_into, roots[2:])):
+            self.last = (roots, found)
+
+
+_ABSENT = object()
+
+
+def _roots(fn: types.FunctionType) -> tuple[Any, ...] | None:
+    """The objects collect_captured reads to walk `fn`: its code, globals, closure cells'
+    contents and the globals its code names (None while a cell is unassigned)."""
+    code = fn.__code__
+    namespace = fn.__globals__
+    try:
+        contents = [cell.cell_contents for cell in fn.__closure__ or ()]
+    except ValueError:
+        return None
+    return (code, namespace, *contents, *[namespace.get(name, _ABSENT) for name in _names_of(code).globals])
+
+
+def _walked_into(value: Any) -> bool:
+    """Whether collect_captured looks inside `value` (see its visit)."""
+    if isinstance(value, types.FunctionType):
+        return not _in_a_library(value.__code__)
+    return isinstance(value, (torch.nn.Module, list, dict, tuple, functools.partial, types.MethodType))
+
+
+def _collect_consistently(fn: Callable[..., Any], memo: CaptureMemo | None = None) -> Collected:
     """collect_captured, never in the middle of another thread's trace (which would hand
-    out its stand-ins): lock-free unless a substitution started or ended meanwhile."""
+    out its stand-ins): lock-free unless a substitution started or ended meanwhile. With
+    a memo, a plain function whose reachable objects are unchanged is not walked again
+    (a stand-in put in its closure is another object, so it never matches)."""
+    roots = _roots(fn) if memo is not None and type(fn) is types.FunctionType else None
+    if roots is not None:
+        found = memo.lookup(roots)  # type: ignore[union-attr]
+        if found is not None:
+            return found
     before = _SUBSTITUTING[0]
     found = collect_captured(fn)
     if before % 2 == 0 and _SUBSTITUTING[0] == before:
+        if roots is not None:
+            memo.remember(roots, found)  # type: ignore[union-attr]
         return found
     with TRACE_LOCK:
         return collect_captured(fn)

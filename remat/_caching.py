@@ -48,9 +48,15 @@ class PlanCache:
     _warned_at: int = 0
     _last: tuple[tuple[Any, ...], Sequence[str]] | None = None
     templates: Any = None  # the function's shape templates (`_specializing.Templates`), made on first trace
+    # the most recently used key and its plan: already last in LRU order, so a call with the
+    # same signature as the one before (a training loop) needs no dict lookup or reordering
+    _recent: tuple[tuple[Any, ...], Any] | None = None
 
     def lookup(self, key: tuple[Any, ...], storage_offsets: Callable[[], tuple[int, ...]]) -> Any:
         """The plan for `key` (a Plan, or None when nothing needs a gradient), or MISSING."""
+        recent = self._recent
+        if recent is not None and recent[0] == key:
+            return recent[1]
         entry = self.plans.get(key, MISSING)
         if entry is MISSING:
             return MISSING
@@ -60,6 +66,7 @@ class PlanCache:
             pass
         if isinstance(entry, _PerStorageOffsets):
             return entry.plans.get(storage_offsets(), MISSING)
+        self._recent = (key, entry)
         return entry
 
     def store(
@@ -74,6 +81,7 @@ class PlanCache:
                 entry = _PerStorageOffsets()
             entry.plans[storage_offsets] = plan
             plan = entry
+        self._recent = None  # the entry it named may be evicted below
         self.plans[key] = plan
         self.plans.move_to_end(key)
         while len(self.plans) > self.maxsize:
@@ -94,7 +102,7 @@ class PlanCache:
 
     def clear(self) -> None:
         self.plans.clear()
-        self.traces, self._warned_at, self._last, self.templates = 0, 0, None, None
+        self.traces, self._warned_at, self._last, self.templates, self._recent = 0, 0, None, None, None
 
 
 def _what_changed(previous: tuple[tuple[Any, ...], Sequence[str]] | None, key: tuple[Any, ...], labels: Sequence[str]) -> str:

@@ -140,6 +140,11 @@ class Plan:
         self.extra_inputs = [i for i in full.saved_inputs if i not in self.part.saved_inputs]
 
     @functools.cached_property
+    def every_input_differentiable(self) -> bool:
+        """Whether the backward's gradients are those of every input, in order."""
+        return self.diff_inputs == list(range(len(self.captured.input_values)))
+
+    @functools.cached_property
     def n_first_order_kept(self) -> int:
         return len(self.part.saved_inputs) + len(self.part.residual_outputs)
 
@@ -201,7 +206,7 @@ class RematFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         plan: Plan = ctx.plan
         kept = ctx.saved_tensors
-        if any(g is not None for g in grads[plan.n_outputs:]):  # cotangents for kept values: second order
+        if len(grads) > plan.n_outputs and any(g is not None for g in grads[plan.n_outputs:]):  # second order
             if plan.part.offloaded:
                 raise RematError(
                     f"remat({plan.region}): this second-order gradient (a backward of a backward) would "
@@ -214,7 +219,10 @@ class RematFunction(torch.autograd.Function):
             input_grads = plan.run(full.backward, *[kept[k] for k in order], *cotangents)
         else:
             tangents = [plan.cotangent(grads, j, kept) for j in plan.float_outputs]
-            input_grads = plan.run(plan.part.backward, *kept[: plan.n_first_order_kept], *tangents)
+            first_order = kept if len(kept) == plan.n_first_order_kept else kept[: plan.n_first_order_kept]
+            input_grads = plan.run(plan.part.backward, *first_order, *tangents)
+        if plan.every_input_differentiable:
+            return (None, *input_grads)
         result: list[torch.Tensor | None] = [None] * (len(plan.captured.input_values) + 1)
         for i, g in zip(plan.diff_inputs, input_grads):
             result[i + 1] = g

@@ -12,7 +12,7 @@ import torch
 
 from remat.policies import MemoryBudget
 
-from ._arguments import Call, positional_names, split_call
+from ._arguments import Call, CaptureMemo, positional_names, split_call
 from ._budget import budget_of
 from ._caching import DEFAULT_CACHE_SIZE, MISSING, TRACE_LOCK, PlanCache, clear_cache, plan_cache
 from ._chaining import Chain, Runnable, split_at_outputs
@@ -135,6 +135,7 @@ class Rematerialized:
             raise TypeError(f"remat: name must be a non-empty string (the region's name in reports), got {name!r}")
         self.region = name or region_name(fn)
         self._names = positional_names(fn)
+        self._captures = CaptureMemo()
         self._compile_context = selective_context(policy, self.region)
         if not isinstance(dynamic, bool):
             raise TypeError(f"remat: dynamic must be True or False, got {dynamic!r}")
@@ -177,6 +178,7 @@ class Rematerialized:
         state = dict(self.__dict__)
         del state["_plans"]
         state["_dynamic_region"] = None
+        state["_captures"] = CaptureMemo()  # holds setters (closures), and is a cache
         state["_hits"] = state["_traces"] = state["_specialized"] = 0
         return state
 
@@ -200,7 +202,7 @@ class Rematerialized:
         if self.dynamic and not transforms_active():
             return self._call_dynamic(args, kwargs)
         plans = self._plans if override is None else self._plans_for(policy)
-        call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames)
+        call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames, self._captures)
         plan = plans.lookup(call.key, call.storage_offsets)
         if plan is not MISSING:
             self._hits += 1

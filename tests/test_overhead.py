@@ -9,13 +9,23 @@ field by field, with the general optree split over many kinds of calls. No timin
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, Callable
 
 import pytest
 import torch
 
 import remat
-from remat._arguments import Call, _split_flattened, _split_tensor_args, positional_names, split_call
+from remat._arguments import (
+    Call,
+    CaptureMemo,
+    _collect_consistently,
+    _split_flattened,
+    _split_tensor_args,
+    collect_captured,
+    positional_names,
+    split_call,
+)
 
 SCALE = torch.tensor(2.0, requires_grad=True)
 OFFSET = 3
@@ -170,3 +180,117 @@ def test_results_match_plain_autograd_across_layouts_on_cache_hits() -> None:
             grads = torch.autograd.grad(out.sum(), (x, w))
             torch.testing.assert_close(grads, torch.autograd.grad(expected.sum(), (x, w)))
     assert f.cache_info()["hits"] >= 4
+
+
+# The capture memo: a plain function whose reachable objects are the same objects as on
+# the call before is not walked again. The walk itself (collect_captured) is the oracle.
+LAYERS = [torch.randn(3, 3, dtype=torch.float64, requires_grad=True)]
+WEIGHT = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+POWER = 2
+
+
+def _reads_list_global_and_number(x: torch.Tensor) -> torch.Tensor:
+    return ((x @ LAYERS[0]) @ WEIGHT).sum() ** POWER
+
+
+def _reads_global_and_number(x: torch.Tensor) -> torch.Tensor:
+    return (x @ WEIGHT).sum() ** POWER
+
+
+def _collected(found: Any) -> tuple[Any, ...]:
+    tensors, paths, setters, flags = found
+    return [id(t) for t in tensors], list(paths), [s is None for s in setters], flags
+
+
+def test_the_capture_memo_sees_every_change_the_walk_sees() -> None:
+    global WEIGHT, POWER
+    memo = CaptureMemo()
+    inner_weight = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+
+    def inner(x: torch.Tensor) -> torch.Tensor:
+        return x @ inner_weight
+
+    def outer(x: torch.Tensor) -> torch.Tensor:  # its closure holds a function of the user's: walked into
+        return inner(x).sum()
+
+    def check(fn: Callable[..., Any]) -> None:
+        assert _collected(_collect_consistently(fn, memo)) == _collected(collect_captured(fn))
+
+    saved = LAYERS[0], WEIGHT, POWER
+    try:
+        for fn in (_reads_global_and_number, _reads_list_global_and_number, outer):
+            memo = CaptureMemo()
+            check(fn)
+            check(fn)  # unchanged: served by the memo where it may be
+            LAYERS[0] = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)  # inside a list
+            check(fn)
+            WEIGHT = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)  # a rebound global
+            check(fn)
+            POWER = 3  # a number read from the globals
+            check(fn)
+            inner_weight = torch.randn(3, 3, dtype=torch.float64)  # noqa: F841 - read by inner's cell
+            check(fn)
+            assert (memo.last is not None) == (fn is _reads_global_and_number)  # the others are walked into
+    finally:
+        LAYERS[0], WEIGHT, POWER = saved
+
+
+def test_memoized_captures_give_plain_autograd_gradients_after_changes() -> None:
+    """The memo serves the same tensors; their signatures are still read on every call, so
+    a captured tensor whose requires_grad changed in place gets its own plan."""
+    global WEIGHT
+    saved = WEIGHT
+
+    def reads_weight(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ WEIGHT).sum()
+
+    try:
+        f = remat.remat(reads_weight)
+        x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+        for change in (None, "rebind", "no grad", "grad again"):
+            if change == "rebind":
+                WEIGHT = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+            elif change == "no grad":
+                WEIGHT.requires_grad_(False)
+            elif change == "grad again":
+                WEIGHT.requires_grad_(True)
+            inputs = (x, WEIGHT) if WEIGHT.requires_grad else (x,)
+            actual = torch.autograd.grad(f(x), inputs)
+            expected = torch.autograd.grad(reads_weight(x), inputs)
+            torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+        assert f._captures.last is not None  # the memo was in use
+    finally:
+        WEIGHT = saved
+
+
+class _Mode(enum.IntEnum):
+    DOUBLE = 2
+    TRIPLE = 3
+
+
+class _Settings:
+    """Like transformers' configs: attribute reads go through a custom __getattribute__."""
+
+    def __getattribute__(self, name: str) -> Any:
+        return object.__getattribute__(self, name)
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3, dtype=torch.float64))
+        self.mode = _Mode.DOUBLE  # a plain setting of a subclass of int
+        self.config = _Settings()  # not a setting
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.weight * int(self.mode)).sum()
+
+
+def test_a_module_setting_of_a_subclass_of_a_plain_type_is_in_the_key() -> None:
+    module = _Scaled()
+    f = remat.remat(module)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    for mode in (_Mode.DOUBLE, _Mode.TRIPLE, _Mode.DOUBLE):
+        module.mode = mode
+        torch.testing.assert_close(torch.autograd.grad(f(x), x), torch.autograd.grad(module(x), x), rtol=0, atol=0)
+    assert f.cache_info()["traces"] == 2
