@@ -110,9 +110,42 @@ def measure_tiny(rounds: int, calls: int) -> dict[str, dict[str, float]]:
     return results
 
 
-def render_table(results: dict[str, dict[str, float]]) -> list[str]:
+LAYER = {"seq": 16, "hidden": 64, "heads": 4, "batch": 1}
+
+
+def measure_layer(rounds: int, calls: int) -> dict[str, dict[str, float]]:
+    """The same on a real layer, small enough that remat's own cost shows: a transformers
+    LlamaDecoderLayer (`LAYER`), forward + backward. `everything_saveable` recomputes
+    nothing, so remat - plain is all remat's own: the key (arguments, the module's
+    parameters and settings), and the layer's backward run as one traced graph from Python
+    where plain autograd runs C++ nodes."""
+    from trace_time import _layer_and_call
+
+    torch.manual_seed(0)
+    new_layer, call = _layer_and_call(**LAYER)
+    layer = new_layer()
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    everything = remat.remat(layer, policy=P.everything_saveable)
+    dots = remat.remat(layer, policy=P.dots_saveable)
+    steps = {
+        "plain": lambda: first(call(layer)).sum().backward(),
+        "remat everything_saveable": lambda: first(call(everything)).sum().backward(),
+        "remat dots_saveable": lambda: first(call(dots)).sum().backward(),
+        "checkpoint": lambda: first(checkpoint(call, layer, use_reentrant=False)).sum().backward(),
+    }
+    for step in steps.values():
+        for _ in range(5):
+            step()
+    results = measure(steps, rounds, calls)
+    results["overhead (remat everything_saveable)"] = {
+        k: results["remat everything_saveable"][k] - results["plain"][k] for k in ("min_us", "median_us")
+    }
+    return results
+
+
+def render_table(results: dict[str, dict[str, float]], title: str = "`tanh(x @ w)`, 4x4, forward + backward") -> list[str]:
     """Markdown rows: µs per forward+backward call, and the overhead rows."""
-    lines = ["| `tanh(x @ w)`, 4x4, forward + backward | min µs | median µs |", "|---|---:|---:|"]
+    lines = [f"| {title} | min µs | median µs |", "|---|---:|---:|"]
     for name, r in results.items():
         lines.append(f"| {name}{' - plain' if name.startswith('overhead') else ''} | {r['min_us']:.1f} | {r['median_us']:.1f} |")
     return lines
@@ -124,6 +157,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--profile", action="store_true", help="cProfile 2,000 calls of remat (policy None)")
+    parser.add_argument("--layer", action="store_true", help=f"also a transformers LlamaDecoderLayer {LAYER}")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -131,6 +165,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} rounds x {args.calls} calls, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'variant':<34} {'min µs':>8} {'median µs':>10}")
+    if args.layer:
+        results.update({f"layer: {name}": r for name, r in measure_layer(args.rounds, max(args.calls // 10, 1)).items()})
     for name, r in results.items():
         print(f"{name:<34} {r['min_us']:8.1f} {r['median_us']:10.1f}")
     if args.profile:

@@ -64,17 +64,18 @@ def _instrument() -> None:
         setattr(module, name, wrapped)
 
 
-def _layer_and_call(seq: int = 128) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+def _layer_and_call(seq: int = 128, hidden: int = 256, heads: int = 8, batch: int = 2) -> tuple[Callable[[], Any], Callable[[Any], Any]]:
+    """A new transformers LlamaDecoderLayer (random init, sdpa) and a call of it on fixed inputs."""
     import torch
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     config = LlamaConfig(
-        hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=8,
+        hidden_size=hidden, intermediate_size=hidden * 43 // 16, num_attention_heads=heads, num_key_value_heads=heads,
         num_hidden_layers=1, vocab_size=100, attn_implementation="sdpa",
     )
-    x = torch.randn(2, seq, 256, requires_grad=True)
-    positions = torch.arange(seq)[None].expand(2, -1)
+    x = torch.randn(batch, seq, hidden, requires_grad=True)
+    positions = torch.arange(seq)[None].expand(batch, -1)
     cos, sin = LlamaRotaryEmbedding(config)(x, positions)
 
     def new_layer() -> Any:
