@@ -229,6 +229,11 @@ def render(result: dict[str, Any]) -> str:
     lines.append(f"| remat dots_saveable, `dynamic=True` (eager model) | {dynamic['total_s']:.2f} | {dynamic['dynamo_graphs']} graphs |  |  |")
     lines += ["", "**Per-call overhead of a cache hit** (bench/overhead.py's measurement, same run):", ""]
     lines += O.render_table(result["overhead"])
+    if "overhead_layer" in result:
+        layer = ", ".join(f"{k} {v}" for k, v in O.LAYER.items())
+        lines += ["", f"The same on a transformers `LlamaDecoderLayer` ({layer}; `everything_saveable` recomputes "
+                  "nothing, so its row minus plain is remat's own cost per call):", ""]
+        lines += O.render_table(result["overhead_layer"], title="LlamaDecoderLayer, forward + backward")
     lines += [
         "",
         "**First call (trace time)** of a transformers `LlamaDecoderLayer` (hidden 256, 8 heads, seq 128, batch 2, "
@@ -280,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile": measure_compile(device, args.clock, args.repeats),
         "lengths": measure_lengths(device, lengths),
         "overhead": O.measure_tiny(rounds=7, calls=500),
+        "overhead_layer": O.measure_layer(rounds=7, calls=50),
         "trace": T.measure(repeat=5),
     }
     load.append(os.getloadavg()[0])
