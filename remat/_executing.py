@@ -40,7 +40,7 @@ class Plan:
     float_outputs: list[int]  # outputs that receive cotangents
     region: str
     _higher_order: tuple[Partition, list[int], list[int]] | None = field(default=None, repr=False)
-    # graphs (by id) whose layouts were checked on a first run, each with its direct code
+    # graphs (by id) whose layouts were checked on a first run, each with what runs it next
     _checked: dict[int, Callable[..., Any]] = field(default_factory=dict, repr=False)
     extra_inputs: list[int] = field(default_factory=list)  # inputs kept only for second-order gradients
     trace_seconds: float = 0.0  # what a plain trace of the function took (`_specializing` prices templates by it)
@@ -62,7 +62,7 @@ class Plan:
                 "Call that op outside the remat'd function."
             ) from error
         if checked:
-            self._checked[id(gm)] = direct_code(gm)
+            self._checked[id(gm)] = functools.partial(_second_run, self._checked, gm)
         return outputs
 
     def for_capture(self, captured: Captured, region: str) -> Plan:
@@ -180,6 +180,14 @@ class Plan:
         order += [offset + residuals.index(j) for j in full_residuals]
         order += [offset + len(residuals) + self.part.replayed.index(k) for k in full.replayed]
         return full, order, cotangent_outputs
+
+
+def _second_run(checked: dict[int, Callable[..., Any]], gm: torch.fx.GraphModule, *inputs: Any) -> Any:
+    """A graph's second run: from now on it runs through its direct code (built now, not on
+    the first run, so a size seen once, as in a variable-length loop, never pays for it:
+    about 4 ms for a Llama layer's forward and backward graphs)."""
+    checked[id(gm)] = direct_code(gm)
+    return gm.forward(*inputs)
 
 
 class RematFunction(torch.autograd.Function):
