@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile": measure_compile(device, args.clock, args.repeats),
         "lengths": measure_lengths(device, lengths),
         "overhead": O.measure_tiny(rounds=7, calls=500),
-        "overhead_layer": O.measure_layer(rounds=7, calls=50),
+        "overhead_layer": O.measure_layer(rounds=15, calls=50),
         "trace": T.measure(repeat=5),
     }
     load.append(os.getloadavg()[0])
