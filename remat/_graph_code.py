@@ -17,25 +17,17 @@ from typing import Any, Callable
 
 import torch
 
+from ._torch_internals import op_entry_point
+
 # An op fx names by its qualified name: torch.ops.<namespace>.<op>.<overload>(
 _QUALIFIED_CALL = re.compile(r"\btorch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
 _COUNTER = itertools.count()
 
 
-def _op_overload(namespace: str, name: str, overload: str) -> Any:
-    """The OpOverload a qualified name stands for, or None (a higher-order op, or one that
-    does its own work in `__call__`, such as torchbind ops): exactly `torch._ops.OpOverload`
-    forwards to `_op` and nothing else (checked on torch 2.11 and 2.13, torch/_ops.py)."""
-    try:
-        op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
-    except (AttributeError, RuntimeError):
-        return None
-    return op if type(op) is torch._ops.OpOverload else None
-
-
 def direct_code(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     """`gm.forward`, with each aten op called without its Python frame; called as
-    `fn(*inputs)`. Built from the code fx generated for `gm` and the globals it runs with."""
+    `fn(*inputs)`. Built from the code fx generated for `gm` (`gm.code`) and the globals
+    fx runs that code with (those of the generated `forward`)."""
     code = gm.code  # first: a lazy graph module generates its code (and forward) here
     bindings = dict(type(gm).forward.__globals__)
     names: dict[str, str] = {}
@@ -43,11 +35,11 @@ def direct_code(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     def replace(match: re.Match[str]) -> str:
         qualified = match.group(0)[:-1]
         if qualified not in names:
-            op = _op_overload(*match.groups())
-            if op is None:
+            entry = op_entry_point(*match.groups())
+            if entry is None:
                 return match.group(0)
             names[qualified] = f"_remat_op{len(names)}"
-            bindings[names[qualified]] = op._op
+            bindings[names[qualified]] = entry
         return names[qualified] + "("
 
     source = _QUALIFIED_CALL.sub(replace, code)

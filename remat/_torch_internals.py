@@ -366,6 +366,18 @@ def apply_function(function: type[torch.autograd.Function], first: Any, tensors:
     return _cpp_apply(function, first, *map(_unwrap_if_dead, tensors))
 
 
+def op_entry_point(namespace: str, name: str, overload: str) -> Callable[..., Any] | None:
+    """The C++ entry point `torch.ops.<namespace>.<name>.<overload>(...)` forwards to, or
+    None where that call does more (higher-order ops, torchbind ops): exactly
+    `torch._ops.OpOverload.__call__` is `return self._op(*args, **kwargs)` (checked on
+    torch 2.11 and 2.13, torch/_ops.py)."""
+    try:
+        op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    except (AttributeError, RuntimeError):
+        return None
+    return op._op if type(op) is torch._ops.OpOverload else None  # type: ignore[no-any-return]
+
+
 _transforms_active = torch._C._are_functorch_transforms_active
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _cpp_apply = vars(torch._C._FunctionBase)["apply"]  # called with the Function class first
