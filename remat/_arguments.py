@@ -387,7 +387,7 @@ def _cell_setter(cell: Any) -> Setter:
     return set_cell
 
 
-def collect_captured(fn: Callable[..., Any]) -> tuple[list[torch.Tensor], list[str], list[Setter | None], tuple[Any, ...]]:
+def collect_captured(fn: Callable[..., Any]) -> Collected:
     """Tensors `fn` can reach without being passed them: each with a path and a setter.
 
     Looks through closures, bound methods, functools.partial, containers and nn.Modules
