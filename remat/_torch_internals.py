@@ -326,6 +326,46 @@ def trace_on_fakes(
     )
 
 
+def dispatch_modes_active() -> bool:
+    """Whether any torch dispatch mode (a user's, or an outer trace's proxy, fake or
+    functional mode) is active (torch 2.13: the count includes those infra modes)."""
+    return bool(torch._C._len_torch_dispatch_stack())
+
+
+def make_fx_like_settings() -> contextlib.AbstractContextManager[Any]:
+    """What make_fx sets around a trace on fake tensors (no proxy mode): autocast's cast
+    cache off, so casts of parameters are ops seen by the trace (torch 2.13,
+    fx.experimental.proxy_tensor)."""
+    from torch.fx.experimental.proxy_tensor import disable_autocast_cache
+
+    return disable_autocast_cache()  # type: ignore[no-any-return]
+
+
+def original_aten_op(func: Any) -> contextlib.AbstractContextManager[Any]:
+    """Nodes created inside carry `func` as meta "original_aten", as make_fx's do (torch 2.13)."""
+    from torch.fx.experimental.proxy_tensor import set_original_aten_op
+
+    return set_original_aten_op(func)  # type: ignore[no-any-return]
+
+
+def meta_value(value: Any) -> Any:
+    """The meta "val" make_fx stores for a node's value: a fake tensor detached (without a
+    trip through dispatch), a real constant as a fake of its layout from the active fake
+    mode, a list or tuple element by element (torch 2.13, fx.experimental.proxy_tensor)."""
+    from torch.fx.experimental.proxy_tensor import extract_val
+
+    return extract_val(value)
+
+
+def autograd_would_decompose(func: Any, flat_args: Sequence[Any]) -> bool:
+    """Whether autograd would have run `func`'s CompositeImplicitAutograd decomposition for
+    these arguments; make_fx runs it when such an op reaches its mode (torch 2.13,
+    utils._python_dispatch)."""
+    from torch.utils._python_dispatch import autograd_would_have_decomposed
+
+    return bool(autograd_would_have_decomposed(func, flat_args))
+
+
 @contextlib.contextmanager
 def tracing_isolated() -> Iterator[None]:
     """Trace as if at top level: no active torch.func transforms, no saved-tensor hooks,

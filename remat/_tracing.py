@@ -3,8 +3,10 @@
 Stage 1 (`capture`) runs the function once on fake tensors under make_fx and
 functionalization: the result is a pure aten graph whose inputs are the call's tensors and
 the captured tensors it read, whose outputs are its tensor outputs followed by the new
-values of any inputs it mutated. Stage 2 (`differentiate`) traces torch.func.vjp over that
-graph into one joint forward+backward graph, which the partitioner splits.
+values of any inputs it mutated. Stage 2 (`differentiate`) replays that graph under
+autograd and traces it with its backward into one joint forward+backward graph, which
+the partitioner splits; the joint is recorded by `_recording`'s light tracer, or by
+make_fx where that one leaves it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ._nodes import (
 )
 from ._passes import inner_backwards_as_eager, random_fills_in_memory_order, rrelu_as_product, writes_out_of_place
 from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
+from ._recording import NodeOf, record, replays_only_aten
 from ._torch_internals import (
     SYMBOLIC_SCALARS,
     autograd_engine_running,
@@ -492,10 +495,10 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
     blame: list[torch.fx.Node] = []  # the forward node whose derivative runs now
     hooks: list[Any] = []
 
-    def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
+    def joint(node_of: NodeOf, *flat: torch.Tensor) -> list[torch.Tensor]:
         primals, tangents = flat[:n_inputs], flat[n_inputs:]
         with torch.enable_grad(), preserve_node_meta():
-            outs = _MarkDifferentiable(g1, blame, hooks).run(*primals)
+            outs = _MarkDifferentiable(g1, node_of, blame, hooks).run(*primals)
             pairs = [(outs[i], t) for i, t in zip(float_outputs, tangents) if outs[i].requires_grad]
             grads = torch.autograd.grad(
                 [o for o, _ in pairs],
@@ -514,7 +517,7 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
         # tangents are traced contiguous; Plan.cotangent makes the real ones so
         examples += [_fake_contiguous(mode, out_values[i]) for i in float_outputs]
         try:
-            traced = trace_on_fakes(joint)(*examples)
+            traced = _recorded_or_traced(g1, joint, examples, mode, blame)
         except Exception as error:  # a derivative that cannot run without data
             node = blame[-1] if blame else None
             source = node.meta.get("custom", {}).get(SOURCE_KEY) if node is not None else None
@@ -528,6 +531,21 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
             for hook in hooks:
                 hook.remove()
         return functionalized(traced)
+
+
+def _recorded_or_traced(
+    g1: torch.fx.GraphModule, joint: Callable[..., list[torch.Tensor]], examples: list[torch.Tensor], mode: Any,
+    blame: list[torch.fx.Node],
+) -> torch.fx.GraphModule:
+    """The joint's graph from the light recorder (`_recording`) where `g1` holds only aten
+    ops, or from make_fx where the recorder leaves it (constants, symbolic sizes, custom
+    ops...) or fails: errors are make_fx's own."""
+    if replays_only_aten(g1):
+        try:
+            return record(joint, examples, mode)
+        except Exception:
+            blame.clear()
+    return trace_on_fakes(functools.partial(joint, tracing_node))(*examples)
 
 
 def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -569,13 +587,17 @@ class _CarryMeta(torch.fx.Interpreter):
     scope, name, random index...) written on the node it comes from; an output of a
     multi-output op gets its own item's facts."""
 
+    def __init__(self, gm: torch.fx.GraphModule, node_of: NodeOf = tracing_node) -> None:
+        super().__init__(gm)
+        self.node_of = node_of  # the node the trace made for a tensor (make_fx's or the recorder's)
+
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         custom = n.meta.get("custom")
         if custom:
             for leaf in optree.tree_leaves(out):  # type: ignore[arg-type]
                 if isinstance(leaf, torch.Tensor):
-                    node = tracing_node(leaf)
+                    node = self.node_of(leaf)
                     if node is not None:
                         node.meta["custom"] = {**node.meta.get("custom", {}), **custom}
         return out
@@ -594,15 +616,15 @@ class _MarkDifferentiable(_CarryMeta):
     derivative that fails can be traced back to the op and the user's line.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, blame: list[torch.fx.Node], hooks: list[Any]) -> None:
-        super().__init__(gm)
+    def __init__(self, gm: torch.fx.GraphModule, node_of: NodeOf, blame: list[torch.fx.Node], hooks: list[Any]) -> None:
+        super().__init__(gm, node_of)
         self.blame = blame
         self.hooks = hooks  # removed after the trace: a hook on an autograd node would keep its graph alive
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if isinstance(out, torch.Tensor):
-            annotate(tracing_node(out), DIFFERENTIABLE_KEY, bool(out.requires_grad), producer_too=False)
+            annotate(self.node_of(out), DIFFERENTIABLE_KEY, bool(out.requires_grad), producer_too=False)
             if out.grad_fn is not None and n.op == "call_function":
                 self.hooks.append(out.grad_fn.register_prehook(functools.partial(_blame, self.blame, producer(n))))
         return out

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from typing import Any
+import os
+from typing import Any, Iterator
 
 import optree
 import pytest
@@ -90,6 +91,20 @@ def _every_graph_keeps_the_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(_remat.Rematerialized, "_build", checked_build)
     monkeypatch.setattr(_executing.Plan, "higher_order", checked_higher_order)
+
+
+@pytest.fixture(autouse=True)
+def _joints_against_make_fx() -> Iterator[None]:
+    """With REMAT_COMPARE_JOINTS=1, every joint graph any test builds is built again with
+    make_fx and must be the same graph (tests/recording_oracle.py): the joint recorder
+    checked across the whole suite, at about twice its tracing time."""
+    if os.environ.get("REMAT_COMPARE_JOINTS") != "1":
+        yield
+        return
+    from recording_oracle import joints_compared
+
+    with joints_compared():
+        yield
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -1,0 +1,195 @@
+"""A light tracer for the joint forward+backward trace.
+
+make_fx spends most of a joint trace in its general machinery (pytree round trips, proxy
+objects, constant propagation, symbolic sizes): for a Llama layer's 220-node joint, 99 ms
+where running the same ops on the same fake tensors takes 26. The joint needs little of
+it: its inputs are fake tensors of concrete sizes and every tensor it meets is one of them,
+an op's output, or a real constant the stage-1 graph holds. `record` makes the graph
+make_fx would make for such a function (the same nodes, names, arguments and meta,
+"tensor_meta" aside) by recording each aten op as it runs. Anything else make_fx handles
+(a symbolic size, a data-dependent op, a tensor subclass, a higher-order op) raises
+`Unrecordable`, and the caller traces with make_fx instead; so does any error, so errors
+are make_fx's own.
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._torch_internals import (
+    autograd_would_decompose,
+    dispatch_modes_active,
+    graph_module,
+    make_fx_like_settings,
+    meta_value,
+    original_aten_op,
+)
+
+NodeOf = Callable[[torch.Tensor], "torch.fx.Node | None"]
+
+aten = torch.ops.aten
+
+# Ops make_fx treats specially (constants, data-dependent values, sizes): left to it.
+_LEFT_TO_MAKE_FX = frozenset({
+    aten.lift_fresh.default, aten.is_nonzero.default,
+    aten.sym_size.int, aten.sym_size.default, aten.sym_stride.int, aten.sym_stride.default,
+    aten.sym_storage_offset.default, aten.sym_numel.default,
+})
+# make_fx evaluates a data-dependent op on constants, and notes the input values of an op
+# that needs exact strides ("eager_input_vals"): left to it too.
+_LEFT_TO_MAKE_FX_TAGS = frozenset({torch.Tag.data_dependent_output, torch.Tag.needs_exact_strides})
+# The non-tensor arguments a node holds as they are, as make_fx does.
+_LITERALS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+class Unrecordable(Exception):
+    """The function does something the recorder leaves to make_fx."""
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Appends each aten op run under it to `graph`, its tensor arguments replaced by the
+    nodes that made them."""
+
+    def __init__(self, graph: torch.fx.Graph, root: torch.nn.Module) -> None:
+        super().__init__()
+        self.graph = graph
+        self.root = root  # holds the real tensor constants the graph reads, as make_fx's root does
+        self.appender = torch.fx.proxy.GraphAppendingTracer(graph)  # node meta as make_fx's tracer copies it
+        self.nodes: dict[int, torch.fx.Node] = {}  # id of a tensor -> the node whose value it is
+        self.alive: list[torch.Tensor] = []  # the tensors in `nodes`, kept so their ids stay theirs
+        self.constants: dict[int, str] = {}  # id of a real tensor -> its attribute on `root`
+        self.decomposes: dict[tuple[Any, str | None], bool] = {}
+
+    def node_of(self, t: torch.Tensor) -> torch.fx.Node | None:
+        return self.nodes.get(id(t))
+
+    def track(self, value: torch.Tensor, node: torch.fx.Node) -> None:
+        self.nodes[id(value)] = node
+        self.alive.append(value)
+        node.meta["val"] = meta_value(value)
+
+    def check(self, a: Any) -> torch.Tensor | None:
+        """The first tensor in `a` (None if none); raises Unrecordable for what make_fx
+        must trace: a tensor neither the trace's nor a plain real tensor (a subclass, a
+        Parameter), a symbolic size."""
+        first = None
+        for x in _leaves(a):
+            if isinstance(x, torch.Tensor):
+                if id(x) not in self.nodes and type(x) is not torch.Tensor:
+                    raise Unrecordable(f"a {type(x).__name__} the trace did not make")
+                first = x if first is None else first
+            elif type(x) not in _LITERALS:  # a symbolic size, a generator (make_fx's opaque object)...
+                raise Unrecordable(f"an argument of type {type(x).__name__}")
+        return first
+
+    def argument(self, a: Any) -> Any:
+        """`a` with each tensor replaced by its node; a real tensor (a constant the graph
+        holds) by a get_attr node of it, named as make_fx names it."""
+        if isinstance(a, torch.Tensor):
+            node = self.nodes.get(id(a))
+            return node if node is not None else self.constant(a)
+        if isinstance(a, (list, tuple)):
+            return type(a)(self.argument(x) for x in a)
+        if isinstance(a, dict):
+            return {k: self.argument(v) for k, v in a.items()}
+        return a
+
+    def constant(self, t: torch.Tensor) -> torch.fx.Node:
+        qualname = self.constants.get(id(t))
+        if qualname is None:
+            qualname = next(f"_tensor_constant{i}" for i in itertools.count() if not hasattr(self.root, f"_tensor_constant{i}"))
+            setattr(self.root, qualname, t)  # also keeps `t` alive, so its id stays its own
+            self.constants[id(t)] = qualname
+        node = self.appender.create_node("get_attr", qualname, (), {})
+        node.meta["val"] = meta_value(t)
+        return node
+
+    def outputs(self, out: Any, node: torch.fx.Node) -> None:
+        """Track an op's outputs as make_fx does: a tensor is the node's value; a list or
+        tuple gets a getitem node per element, whatever the element."""
+        if isinstance(out, torch.Tensor):
+            self.track(out, node)
+        elif isinstance(out, (list, tuple)):
+            node.meta["val"] = meta_value(out)
+            for i, item in enumerate(out):
+                self.outputs(item, self.appender.create_node("call_function", operator.getitem, (node, i), {}))
+        elif isinstance(out, _SYM_TYPES) or (out is not None and not isinstance(out, (bool, int, float, complex))):
+            raise Unrecordable(f"an output of type {type(out).__name__}")
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.ops.prim.device.default:
+            return func(*args, **kwargs)
+        if func in _LEFT_TO_MAKE_FX or not _LEFT_TO_MAKE_FX_TAGS.isdisjoint(func.tags):
+            raise Unrecordable(str(func))
+        with original_aten_op(func):  # as make_fx: around everything the op records
+            return self.record(func, args, kwargs)
+
+    def record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+        first = self.check((args, kwargs))
+        key = (func, None if first is None else first.device.type)
+        decomposes = self.decomposes.get(key)
+        if decomposes is None:
+            decomposes = self.decomposes[key] = autograd_would_decompose(func, [] if first is None else [first])
+        if decomposes:  # as make_fx: the decomposition autograd would have run, recorded
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        node_args, node_kwargs = self.argument(args), self.argument(kwargs)
+        name = self.graph._target_to_str(func.overloadpacket.__name__)
+        node = self.appender.create_node("call_function", func, node_args, node_kwargs, name=name)
+        out = func(*args, **kwargs)
+        self.outputs(out, node)
+        return out
+
+
+def _leaves(a: Any) -> Iterator[Any]:
+    if isinstance(a, (list, tuple)):
+        for x in a:
+            yield from _leaves(x)
+    elif isinstance(a, dict):
+        for x in a.values():
+            yield from _leaves(x)
+    else:
+        yield a
+
+
+def replays_only_aten(gm: torch.fx.GraphModule) -> bool:
+    """Whether a graph the joint replays holds only aten and prims ops, whose derivatives
+    are C++ formulas. A custom op's derivative is Python (torch.library's autograd), which
+    may treat a user dispatch mode unlike make_fx's: linear_cross_entropy's records an extra
+    `detach` per buffer it allocates. The OpInfo sweep and real models check the rest."""
+    return all(
+        n.op != "call_function" or n.target is operator.getitem
+        or (isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in ("aten", "prims"))
+        for n in gm.graph.nodes
+    )
+
+
+def record(fn: Callable[..., Any], examples: Sequence[torch.Tensor], fake_mode: Any) -> torch.fx.GraphModule:
+    """The graph of `fn(node_of, *examples)` (fake tensors of `fake_mode`, concrete sizes),
+    as make_fx would trace `fn(tracing_node, *examples)`; `node_of` gives the node of a
+    tensor the trace made. Raises Unrecordable where make_fx must trace it."""
+    if dispatch_modes_active():  # an outer trace's modes would see the ops; make_fx replaces them
+        raise Unrecordable("a dispatch mode is active")
+    graph, root = torch.fx.Graph(), torch.nn.Module()
+    recorder = _OpRecorder(graph, root)
+    for i, example in enumerate(examples):
+        if type(example) is not FakeTensor or any(isinstance(s, torch.SymInt) for s in example.shape):
+            raise Unrecordable("an input that is not a fake tensor of concrete sizes")
+        recorder.track(example, graph.placeholder(f"arg{i}_1"))
+    with fake_mode, make_fx_like_settings():
+        with recorder:
+            result = fn(recorder.node_of, *examples)
+        recorder.check(result)
+        graph.output(recorder.argument(result))  # a constant's value made by the trace's fake mode
+    return graph_module(root, graph)
