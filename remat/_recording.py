@@ -47,7 +47,6 @@ _LEFT_TO_MAKE_FX = frozenset({
 _LEFT_TO_MAKE_FX_TAGS = frozenset({torch.Tag.data_dependent_output, torch.Tag.needs_exact_strides})
 # The non-tensor arguments a node holds as they are, as make_fx does.
 _LITERALS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
-_SYM_TYPES = (torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
 class Unrecordable(Exception):
@@ -121,7 +120,7 @@ class _OpRecorder(TorchDispatchMode):
             node.meta["val"] = meta_value(out)
             for i, item in enumerate(out):
                 self.outputs(item, self.appender.create_node("call_function", operator.getitem, (node, i), {}))
-        elif isinstance(out, _SYM_TYPES) or (out is not None and not isinstance(out, (bool, int, float, complex))):
+        elif out is not None and type(out) not in (bool, int, float, complex):  # a symbolic size, an opaque object
             raise Unrecordable(f"an output of type {type(out).__name__}")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:

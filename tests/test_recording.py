@@ -10,7 +10,7 @@ import model_zoo as Z
 import pytest
 import torch
 from opinfo_cases import OPS, make_case, samples
-from recording_oracle import run_compared
+from recording_oracle import refuse_recording, run_compared
 
 import remat
 import remat._tracing
@@ -132,14 +132,8 @@ def test_an_error_in_a_recorded_joint_is_make_fx_s_error() -> None:
     for use_recorder in (True, False):
         with pytest.MonkeyPatch.context() as mp:
             if not use_recorder:
-                mp.setattr(remat._tracing, "record", _refuse_all)
+                mp.setattr(remat._tracing, "record", refuse_recording)
             with pytest.raises(RematError, match=r"derivative of `aten.scatter_reduce`.*runs `aten._local_scalar_dense`") as error:
                 remat.remat(f)(x, index)
             messages.append(str(error.value))
     assert messages[0] == messages[1]
-
-
-def _refuse_all(*args: object, **kwargs: object) -> object:
-    from remat._recording import Unrecordable
-
-    raise Unrecordable("make_fx asked for by the test")
