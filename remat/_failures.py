@@ -11,6 +11,7 @@ import functools
 import os
 import sys
 import traceback
+import types
 from typing import Any, Sequence
 
 import optree
@@ -48,11 +49,13 @@ def user_frame(frames: Sequence[traceback.FrameSummary]) -> traceback.FrameSumma
     return None
 
 
-def user_line() -> str | None:
+def user_line(boundary: types.CodeType) -> str | None:
     """`file:line` of the innermost calling frame outside torch, optree and remat, read off
-    the live frames (no source lookup, unlike traceback.extract_stack: it runs per traced op)."""
+    the live frames (no source lookup, unlike traceback.extract_stack: it runs per traced op);
+    None if there is none below `boundary`, the frame that calls the traced function (an op
+    of a torch module called as the function: the frames above belong to the trace)."""
     frame = sys._getframe(1)
-    while frame is not None:
+    while frame is not None and frame.f_code is not boundary:
         filename = frame.f_code.co_filename
         if not _is_library_file(filename):
             return f"{os.path.basename(filename)}:{frame.f_lineno}"

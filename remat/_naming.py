@@ -8,7 +8,7 @@ from typing import TypeVar
 import optree
 import torch
 
-from ._torch_internals import tracing_node
+from ._recording import traced_node
 
 NAME_KEY = "remat_name"
 T = TypeVar("T")
@@ -37,7 +37,7 @@ def checkpoint_name(x: T, name: str) -> T:
         return name_under_compile(x, name)  # type: ignore[no-any-return]
     for leaf in optree.tree_leaves(x):  # type: ignore[var-annotated,arg-type]
         if isinstance(leaf, torch.Tensor):
-            annotate(tracing_node(leaf), NAME_KEY, name)
+            annotate(traced_node(leaf), NAME_KEY, name)
     return x
 
 

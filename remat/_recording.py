@@ -1,21 +1,21 @@
-"""A light tracer for the joint forward+backward trace.
+"""A light tracer: the graph make_fx would make, recorded op by op.
 
-make_fx spends most of a joint trace in its general machinery (pytree round trips, proxy
+make_fx spends most of a trace in its general machinery (pytree round trips, proxy
 objects, constant propagation, symbolic sizes): for a Llama layer's 220-node joint, 99 ms
-where running the same ops on the same fake tensors takes 26. The joint needs little of
-it: its inputs are fake tensors of concrete sizes and every tensor it meets is one of them,
-an op's output, or a real constant the stage-1 graph holds. `record` makes the graph
-make_fx would make for such a function (the same nodes, names, arguments and meta,
-"tensor_meta" aside) by recording each aten op as it runs. Anything else make_fx handles
-(a symbolic size, a data-dependent op, a tensor subclass, a higher-order op) raises
-`Unrecordable`, and the caller traces with make_fx instead; so does any error, so errors
-are make_fx's own.
+where running the same ops on the same fake tensors takes 26. remat's traces need little
+of it: their inputs are fake tensors of concrete sizes and every tensor they meet is one
+of them, an op's output, or a real constant. `record` makes the graph make_fx would make
+(the same nodes, names, arguments and meta, "tensor_meta" aside) by recording each aten op
+as it runs. Anything else make_fx handles (a symbolic size, a data-dependent op, a tensor
+subclass, a custom or higher-order op) raises `Unrecordable`, and the caller traces with
+make_fx instead; so does any error, so errors are make_fx's own.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -24,27 +24,32 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._torch_internals import (
+    active_dispatch_modes,
     autograd_would_decompose,
     dispatch_modes_active,
     graph_module,
     make_fx_like_settings,
     meta_value,
     original_aten_op,
+    tracing_node,
+    unwrap_transforms,
 )
-
-NodeOf = Callable[[torch.Tensor], "torch.fx.Node | None"]
 
 aten = torch.ops.aten
 
-# Ops make_fx treats specially (constants, data-dependent values, sizes): left to it.
+# Ops make_fx treats specially (data-dependent values, sizes): left to it.
 _LEFT_TO_MAKE_FX = frozenset({
-    aten.lift_fresh.default, aten.is_nonzero.default,
+    aten.is_nonzero.default,
     aten.sym_size.int, aten.sym_size.default, aten.sym_stride.int, aten.sym_stride.default,
     aten.sym_storage_offset.default, aten.sym_numel.default,
 })
 # make_fx evaluates a data-dependent op on constants, and notes the input values of an op
 # that needs exact strides ("eager_input_vals"): left to it too.
 _LEFT_TO_MAKE_FX_TAGS = frozenset({torch.Tag.data_dependent_output, torch.Tag.needs_exact_strides})
+# The ops whose derivatives are C++ formulas. A custom op's derivative is Python
+# (torch.library's autograd), which may treat a user dispatch mode unlike make_fx's:
+# linear_cross_entropy's records an extra `detach` per buffer it allocates.
+_RECORDED_NAMESPACES = frozenset({"aten", "prims"})
 # The non-tensor arguments a node holds as they are, as make_fx does.
 _LITERALS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 
@@ -62,17 +67,19 @@ class _OpRecorder(TorchDispatchMode):
         self.graph = graph
         self.root = root  # holds the real tensor constants the graph reads, as make_fx's root does
         self.appender = torch.fx.proxy.GraphAppendingTracer(graph)  # node meta as make_fx's tracer copies it
-        self.nodes: dict[int, torch.fx.Node] = {}  # id of a tensor -> the node whose value it is
-        self.alive: list[torch.Tensor] = []  # the tensors in `nodes`, kept so their ids stay theirs
+        # id of a tensor -> (a weak reference to it, the node whose value it is). Weak, as
+        # make_fx's: a strong one would make torch's factory functions (`torch.zeros_like`)
+        # see their result shared and return a detached copy, an extra `detach` op.
+        self.nodes: dict[int, tuple[weakref.ref[torch.Tensor], torch.fx.Node]] = {}
         self.constants: dict[int, str] = {}  # id of a real tensor -> its attribute on `root`
         self.decomposes: dict[tuple[Any, str | None], bool] = {}
 
     def node_of(self, t: torch.Tensor) -> torch.fx.Node | None:
-        return self.nodes.get(id(t))
+        entry = self.nodes.get(id(t))
+        return entry[1] if entry is not None and entry[0]() is t else None  # not a dead tensor's id
 
     def track(self, value: torch.Tensor, node: torch.fx.Node) -> None:
-        self.nodes[id(value)] = node
-        self.alive.append(value)
+        self.nodes[id(value)] = (weakref.ref(value), node)
         node.meta["val"] = meta_value(value)
 
     def check(self, a: Any) -> torch.Tensor | None:
@@ -82,7 +89,7 @@ class _OpRecorder(TorchDispatchMode):
         first = None
         for x in _leaves(a):
             if isinstance(x, torch.Tensor):
-                if id(x) not in self.nodes and type(x) is not torch.Tensor:
+                if type(x) not in (torch.Tensor, torch.nn.Parameter) and self.node_of(x) is None:
                     raise Unrecordable(f"a {type(x).__name__} the trace did not make")
                 first = x if first is None else first
             elif type(x) not in _LITERALS:  # a symbolic size, a generator (make_fx's opaque object)...
@@ -93,7 +100,7 @@ class _OpRecorder(TorchDispatchMode):
         """`a` with each tensor replaced by its node; a real tensor (a constant the graph
         holds) by a get_attr node of it, named as make_fx names it."""
         if isinstance(a, torch.Tensor):
-            node = self.nodes.get(id(a))
+            node = self.node_of(a)
             return node if node is not None else self.constant(a)
         if isinstance(a, (list, tuple)):
             return type(a)(self.argument(x) for x in a)
@@ -104,7 +111,8 @@ class _OpRecorder(TorchDispatchMode):
     def constant(self, t: torch.Tensor) -> torch.fx.Node:
         qualname = self.constants.get(id(t))
         if qualname is None:
-            qualname = next(f"_tensor_constant{i}" for i in itertools.count() if not hasattr(self.root, f"_tensor_constant{i}"))
+            prefix = "_param_constant" if isinstance(t, torch.nn.Parameter) else "_tensor_constant"
+            qualname = next(f"{prefix}{i}" for i in itertools.count() if not hasattr(self.root, f"{prefix}{i}"))
             setattr(self.root, qualname, t)  # also keeps `t` alive, so its id stays its own
             self.constants[id(t)] = qualname
         node = self.appender.create_node("get_attr", qualname, (), {})
@@ -127,8 +135,10 @@ class _OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is torch.ops.prim.device.default:
             return func(*args, **kwargs)
-        if func in _LEFT_TO_MAKE_FX or not _LEFT_TO_MAKE_FX_TAGS.isdisjoint(func.tags):
+        if func in _LEFT_TO_MAKE_FX or not _LEFT_TO_MAKE_FX_TAGS.isdisjoint(func.tags) or func.namespace not in _RECORDED_NAMESPACES:
             raise Unrecordable(str(func))
+        if func is aten.lift_fresh.default:  # as make_fx: the graph copies its constant
+            func = aten.lift_fresh_copy.default
         with original_aten_op(func):  # as make_fx: around everything the op records
             return self.record(func, args, kwargs)
 
@@ -162,22 +172,10 @@ def _leaves(a: Any) -> Iterator[Any]:
         yield a
 
 
-def replays_only_aten(gm: torch.fx.GraphModule) -> bool:
-    """Whether a graph the joint replays holds only aten and prims ops, whose derivatives
-    are C++ formulas. A custom op's derivative is Python (torch.library's autograd), which
-    may treat a user dispatch mode unlike make_fx's: linear_cross_entropy's records an extra
-    `detach` per buffer it allocates. The OpInfo sweep and real models check the rest."""
-    return all(
-        n.op != "call_function" or n.target is operator.getitem
-        or (isinstance(n.target, torch._ops.OpOverload) and n.target.namespace in ("aten", "prims"))
-        for n in gm.graph.nodes
-    )
-
-
 def record(fn: Callable[..., Any], examples: Sequence[torch.Tensor], fake_mode: Any) -> torch.fx.GraphModule:
-    """The graph of `fn(node_of, *examples)` (fake tensors of `fake_mode`, concrete sizes),
-    as make_fx would trace `fn(tracing_node, *examples)`; `node_of` gives the node of a
-    tensor the trace made. Raises Unrecordable where make_fx must trace it."""
+    """The graph of `fn(*examples)` (fake tensors of `fake_mode`, concrete sizes), as
+    make_fx would trace it; inside, `traced_node` gives the node of a tensor the trace
+    made. Raises Unrecordable where make_fx must trace it."""
     if dispatch_modes_active():  # an outer trace's modes would see the ops; make_fx replaces them
         raise Unrecordable("a dispatch mode is active")
     graph, root = torch.fx.Graph(), torch.nn.Module()
@@ -188,7 +186,16 @@ def record(fn: Callable[..., Any], examples: Sequence[torch.Tensor], fake_mode: 
         recorder.track(example, graph.placeholder(f"arg{i}_1"))
     with fake_mode, make_fx_like_settings():
         with recorder:
-            result = fn(recorder.node_of, *examples)
+            result = fn(*examples)
         recorder.check(result)
         graph.output(recorder.argument(result))  # a constant's value made by the trace's fake mode
     return graph_module(root, graph)
+
+
+def traced_node(t: torch.Tensor) -> torch.fx.Node | None:
+    """The node the trace being made (the recorder's on this thread, or make_fx's) made
+    for `t`; None when not tracing or not made by the trace."""
+    for mode in reversed(active_dispatch_modes()):
+        if isinstance(mode, _OpRecorder):
+            return mode.node_of(unwrap_transforms(t))
+    return tracing_node(t)

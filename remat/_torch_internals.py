@@ -332,13 +332,30 @@ def dispatch_modes_active() -> bool:
     return bool(torch._C._len_torch_dispatch_stack())
 
 
-def make_fx_like_settings() -> contextlib.AbstractContextManager[Any]:
+@contextlib.contextmanager
+def make_fx_like_settings() -> Iterator[None]:
     """What make_fx sets around a trace on fake tensors (no proxy mode): autocast's cast
-    cache off, so casts of parameters are ops seen by the trace (torch 2.13,
-    fx.experimental.proxy_tensor)."""
+    cache off, so casts of parameters are ops seen by the trace, and fx's "is tracing"
+    flag, which code may read (torch.compile'd functions then run uncompiled) (torch 2.13,
+    fx.experimental.proxy_tensor and fx._symbolic_trace)."""
+    import torch.fx._symbolic_trace as symbolic_trace
     from torch.fx.experimental.proxy_tensor import disable_autocast_cache
 
-    return disable_autocast_cache()  # type: ignore[no-any-return]
+    was_tracing = symbolic_trace._is_fx_tracing_flag
+    symbolic_trace._is_fx_tracing_flag = True
+    try:
+        with disable_autocast_cache():
+            yield
+    finally:
+        symbolic_trace._is_fx_tracing_flag = was_tracing
+
+
+def active_dispatch_modes() -> list[Any]:
+    """The dispatch modes on this thread's stack, innermost last; the autograd engine's
+    threads see their caller's (torch 2.13, utils._python_dispatch)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return _get_current_dispatch_mode_stack()  # type: ignore[no-any-return]
 
 
 def original_aten_op(func: Any) -> contextlib.AbstractContextManager[Any]:

@@ -1,12 +1,12 @@
 """Tracing: from the user's Python function to aten graphs.
 
-Stage 1 (`capture`) runs the function once on fake tensors under make_fx and
-functionalization: the result is a pure aten graph whose inputs are the call's tensors and
-the captured tensors it read, whose outputs are its tensor outputs followed by the new
-values of any inputs it mutated. Stage 2 (`differentiate`) replays that graph under
-autograd and traces it with its backward into one joint forward+backward graph, which
-the partitioner splits; the joint is recorded by `_recording`'s light tracer, or by
-make_fx where that one leaves it.
+Stage 1 (`capture`) runs the function once on fake tensors, traced, then functionalized:
+the result is a pure aten graph whose inputs are the call's tensors and the captured
+tensors it read, whose outputs are its tensor outputs followed by the new values of any
+inputs it mutated. Stage 2 (`differentiate`) replays that graph under autograd and traces
+it with its backward into one joint forward+backward graph, which the partitioner splits.
+Both traces are recorded by `_recording`'s light tracer, or made by make_fx where that
+one leaves them.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextvars
 import functools
 import inspect
 import operator
+import sys
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -44,7 +45,7 @@ from ._nodes import (
 )
 from ._passes import inner_backwards_as_eager, random_fills_in_memory_order, rrelu_as_product, writes_out_of_place
 from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
-from ._recording import NodeOf, record, replays_only_aten
+from ._recording import record, traced_node
 from ._torch_internals import (
     SYMBOLIC_SCALARS,
     autograd_engine_running,
@@ -54,7 +55,6 @@ from ._torch_internals import (
     symbolic_stand_in,
     trace_on_fakes,
     tracing_isolated,
-    tracing_node,
     transforms_active,
     unwrap_transforms,
 )
@@ -132,7 +132,7 @@ class _GuardTracing(TorchFunctionMode):
             return _dropout_as_under_transforms(func, *args, **kwargs)
         out = func(*args, **kwargs)
         if func in self._DETACHES and isinstance(out, torch.Tensor):
-            annotate(tracing_node(out), USER_DETACH_KEY, True, producer_too=False)
+            annotate(traced_node(out), USER_DETACH_KEY, True, producer_too=False)
         return out
 
 
@@ -160,21 +160,27 @@ def refuse_custom_function(value: Any) -> None:
 class _Recorder(TorchDispatchMode):
     """Writes on every traced node the user's file:line and, inside a nested region, its scope."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.boundary = sys._getframe(1).f_code  # made where the user's function is called: user lines end there
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        line = user_line()
+        tensors = [leaf for leaf in optree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        if not tensors:  # a size or device query (the autograd engine and fake tensors make many)
+            return out
+        line = user_line(self.boundary)
         state = _TRACING.get()
         scope = state[1] if state is not None else 0
         in_backward = autograd_engine_running()  # the function runs torch.autograd.grad / .backward
-        for leaf in optree.tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                node = tracing_node(leaf)
-                if line is not None:
-                    annotate(node, SOURCE_KEY, line, overwrite=False)
-                if scope:
-                    annotate(node, SCOPE_KEY, scope, overwrite=False)
-                if in_backward:
-                    annotate(node, BACKWARD_KEY, torch.is_grad_enabled(), producer_too=False)
+        for leaf in tensors:
+            node = traced_node(leaf)
+            if line is not None:
+                annotate(node, SOURCE_KEY, line, overwrite=False)
+            if scope:
+                annotate(node, SCOPE_KEY, scope, overwrite=False)
+            if in_backward:
+                annotate(node, BACKWARD_KEY, torch.is_grad_enabled(), producer_too=False)
         return out
 
 
@@ -265,7 +271,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         fakes = [_fake_like(mode, t).requires_grad_(needs_grad(t)) for t in originals]
         generators = global_generator_states()
         try:
-            gm = trace_on_fakes(flat_fn)(*fakes)
+            gm = _recorded_or_traced(flat_fn, fakes, mode, restart=lambda: scopes.__delitem__(slice(1, None)))
         except Exception as error:
             failure = trace_failure(fn_name, error)
             if failure is error:  # the user's own exception (or torch's, as eager would raise)
@@ -433,7 +439,7 @@ def _insert_placeholder(gm: torch.fx.GraphModule, name: str, example: Any) -> to
 
 
 def _lift_constants(captured: Captured, call: Call, fn_name: str, under_transform: bool) -> None:
-    """Turn captured tensors, which make_fx records as constants, into graph inputs."""
+    """Turn captured tensors, which a trace records as constants, into graph inputs."""
     gm = captured.graph
     by_identity = {
         id(unwrap_transforms(t)): i for i, t in enumerate(call.captured) if call.captured_setters[i] is None
@@ -495,10 +501,10 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
     blame: list[torch.fx.Node] = []  # the forward node whose derivative runs now
     hooks: list[Any] = []
 
-    def joint(node_of: NodeOf, *flat: torch.Tensor) -> list[torch.Tensor]:
+    def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
         primals, tangents = flat[:n_inputs], flat[n_inputs:]
         with torch.enable_grad(), preserve_node_meta():
-            outs = _MarkDifferentiable(g1, node_of, blame, hooks).run(*primals)
+            outs = _MarkDifferentiable(g1, blame, hooks).run(*primals)
             pairs = [(outs[i], t) for i, t in zip(float_outputs, tangents) if outs[i].requires_grad]
             grads = torch.autograd.grad(
                 [o for o, _ in pairs],
@@ -517,7 +523,7 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
         # tangents are traced contiguous; Plan.cotangent makes the real ones so
         examples += [_fake_contiguous(mode, out_values[i]) for i in float_outputs]
         try:
-            traced = _recorded_or_traced(g1, joint, examples, mode, blame)
+            traced = _recorded_or_traced(joint, examples, mode, restart=blame.clear)
         except Exception as error:  # a derivative that cannot run without data
             node = blame[-1] if blame else None
             source = node.meta.get("custom", {}).get(SOURCE_KEY) if node is not None else None
@@ -534,18 +540,16 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
 
 
 def _recorded_or_traced(
-    g1: torch.fx.GraphModule, joint: Callable[..., list[torch.Tensor]], examples: list[torch.Tensor], mode: Any,
-    blame: list[torch.fx.Node],
+    fn: Callable[..., Any], examples: list[torch.Tensor], mode: Any, restart: Callable[[], None]
 ) -> torch.fx.GraphModule:
-    """The joint's graph from the light recorder (`_recording`) where `g1` holds only aten
-    ops, or from make_fx where the recorder leaves it (constants, symbolic sizes, custom
-    ops...) or fails: errors are make_fx's own."""
-    if replays_only_aten(g1):
-        try:
-            return record(joint, examples, mode)
-        except Exception:
-            blame.clear()
-    return trace_on_fakes(functools.partial(joint, tracing_node))(*examples)
+    """The graph of `fn(*examples)` from the light recorder (`_recording`), or from make_fx
+    where the recorder leaves it (symbolic sizes, custom ops...) or fails, after `restart`
+    undoes what the first run noted: errors are make_fx's own."""
+    try:
+        return record(fn, examples, mode)
+    except Exception:
+        restart()
+    return trace_on_fakes(fn)(*examples)
 
 
 def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -587,17 +591,13 @@ class _CarryMeta(torch.fx.Interpreter):
     scope, name, random index...) written on the node it comes from; an output of a
     multi-output op gets its own item's facts."""
 
-    def __init__(self, gm: torch.fx.GraphModule, node_of: NodeOf = tracing_node) -> None:
-        super().__init__(gm)
-        self.node_of = node_of  # the node the trace made for a tensor (make_fx's or the recorder's)
-
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         custom = n.meta.get("custom")
         if custom:
             for leaf in optree.tree_leaves(out):  # type: ignore[arg-type]
                 if isinstance(leaf, torch.Tensor):
-                    node = self.node_of(leaf)
+                    node = traced_node(leaf)
                     if node is not None:
                         node.meta["custom"] = {**node.meta.get("custom", {}), **custom}
         return out
@@ -616,15 +616,15 @@ class _MarkDifferentiable(_CarryMeta):
     derivative that fails can be traced back to the op and the user's line.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, node_of: NodeOf, blame: list[torch.fx.Node], hooks: list[Any]) -> None:
-        super().__init__(gm, node_of)
+    def __init__(self, gm: torch.fx.GraphModule, blame: list[torch.fx.Node], hooks: list[Any]) -> None:
+        super().__init__(gm)
         self.blame = blame
         self.hooks = hooks  # removed after the trace: a hook on an autograd node would keep its graph alive
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if isinstance(out, torch.Tensor):
-            annotate(self.node_of(out), DIFFERENTIABLE_KEY, bool(out.requires_grad), producer_too=False)
+            annotate(traced_node(out), DIFFERENTIABLE_KEY, bool(out.requires_grad), producer_too=False)
             if out.grad_fn is not None and n.op == "call_function":
                 self.hooks.append(out.grad_fn.register_prehook(functools.partial(_blame, self.blame, producer(n))))
         return out

@@ -94,16 +94,17 @@ def _every_graph_keeps_the_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _joints_against_make_fx() -> Iterator[None]:
-    """With REMAT_COMPARE_JOINTS=1, every joint graph any test builds is built again with
-    make_fx and must be the same graph (tests/recording_oracle.py): the joint recorder
-    checked across the whole suite, at about twice its tracing time."""
-    if os.environ.get("REMAT_COMPARE_JOINTS") != "1":
+def _traces_against_make_fx() -> Iterator[None]:
+    """With REMAT_COMPARE_TRACES=1, every stage-1 and joint graph any test builds is built
+    again with make_fx and must be the same graph (tests/recording_oracle.py): the recorder
+    checked across the whole suite, at about twice its tracing time. A test that counts
+    how often its function body runs sees each first call's body run twice."""
+    if os.environ.get("REMAT_COMPARE_TRACES") != "1":
         yield
         return
-    from recording_oracle import joints_compared
+    from recording_oracle import traces_compared
 
-    with joints_compared():
+    with traces_compared():
         yield
 
 

@@ -1,14 +1,18 @@
-"""make_fx as the oracle for remat's joint-trace recorder (remat/_recording.py): every joint
-graph remat builds while a function runs is built again with make_fx, and the two must be
-the same graph, node by node: op, name, target, arguments, and the meta remat and torch
-write (the value's layout, remat's annotations, "original_aten", the autograd sequence
-numbers up to renumbering)."""
+"""make_fx as the oracle for remat's recorder (remat/_recording.py): every stage-1 graph and
+every joint graph remat builds while a function runs is built again with make_fx, and the
+two must be the same graph, node by node: op, name, target, arguments, and the meta remat
+and torch write (the value's layout, remat's annotations, "original_aten", the autograd
+sequence numbers up to renumbering); for stage 1, also what remat notes beside the graph
+(the captured tensors it reads, the outputs' structure, the mutated inputs). A stage-1
+comparison runs the user's function twice."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Iterator
 
+import pytest
 import torch
 import torch._dynamo.config
 import torch.fx
@@ -45,81 +49,114 @@ def graph_facts(gm: torch.fx.GraphModule) -> list[tuple[Any, ...]]:
 
 
 def refuse_recording(*args: Any, **kwargs: Any) -> Any:
-    """Stands in for remat's recorder: every joint is left to make_fx."""
+    """Stands in for remat's recorder: every trace is left to make_fx."""
     raise remat._recording.Unrecordable("make_fx asked for by the test")
 
 
-_OUTCOME_LISTS: list[list[str]] = []  # one per active joints_compared, outermost first
+def _captured_facts(captured: Any) -> list[Any]:
+    """What two stage-1 traces must agree on: the graph, and what remat notes beside it."""
+    facts = []
+    for f in dataclasses.fields(captured):
+        value = getattr(captured, f.name)
+        if f.name == "graph":
+            facts += graph_facts(value)
+            continue
+        if f.name == "by_reference":
+            value = [id(t) for t in value]
+        elif f.name == "input_values":
+            value = [_value_facts(v) for v in value]
+        facts.append((f.name, value if f.name != "out_spec" else str(value)))
+    return facts
 
 
-def _compared(differentiate: Callable[..., torch.fx.GraphModule], record: Callable[..., Any]) -> Callable[..., torch.fx.GraphModule]:
-    """`differentiate` that builds each joint with the recorder and again with make_fx,
-    asserts the graphs are the same, and notes the outcome in every active list."""
+_OUTCOME_LISTS: list[list[tuple[str, str]]] = []  # one per active traces_compared, outermost first
+_STAGE: list[str] = []  # the trace being made: "stage 1" or "joint", innermost last
 
-    def note(outcome: str) -> None:
-        for outcomes in _OUTCOME_LISTS:
-            outcomes.append(outcome)
+
+def _note(outcome: str) -> None:
+    for outcomes in _OUTCOME_LISTS:
+        outcomes.append((_STAGE[-1], outcome))
+
+
+def _assert_same(facts: list[Any], expected: list[Any], what: str) -> None:
+    first = next((i for i, (a, b) in enumerate(zip(facts, expected)) if a != b), min(len(facts), len(expected)))
+    assert facts == expected, (
+        f"the recorded {what} differs from make_fx's at item {first} of {len(expected)}:\n"
+        f"  recorded: {facts[first] if first < len(facts) else None}\n  make_fx:  {expected[first] if first < len(expected) else None}"
+    )
+
+
+def _compared(stage: str, build: Callable[..., Any], facts_of: Callable[[Any], list[Any]], record: Callable[..., Any]) -> Callable[..., Any]:
+    """`build` (remat's capture or differentiate) that builds each trace with the recorder
+    and again with make_fx, asserts the two are the same, and notes the outcome in every
+    active list. An error must be make_fx's error too."""
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         try:
             gm = record(*args, **kwargs)
         except Exception:
-            note("make_fx")
+            _note("make_fx")
             raise
-        note("recorded")
+        _note("recorded")
         return gm
 
-    def compared(*args: Any) -> torch.fx.GraphModule:
+    def compared(*args: Any) -> Any:
         # torch's fake-tensor cache keys on whether make_fx is tracing, so the two traces
         # would read different entries, and a cached output can differ from a computed one
         # (as_strided_scatter's storage offset, torch 2.13): both compute every op.
-        with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
-            return compared_uncached(*args)
+        _STAGE.append(stage)
+        try:
+            with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
+                return compared_uncached(*args)
+        finally:
+            _STAGE.pop()
 
-    def compared_uncached(*args: Any) -> torch.fx.GraphModule:
+    def built_with(stand_in: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        remat._tracing.record = stand_in
+        try:
+            return build(*args)
+        finally:
+            remat._tracing.record = record
+
+    def compared_uncached(*args: Any) -> Any:
         offered = [False]
 
         def offer(*a: Any, **k: Any) -> Any:
             offered[0] = True
             return recorded(*a, **k)
 
-        remat._tracing.record = offer
         try:
-            gm = differentiate(*args)
-        finally:
-            remat._tracing.record = record
-        if not offered[0]:  # not offered to the recorder (a custom op)
-            note("make_fx")
-        remat._tracing.record = refuse_recording
-        try:
-            reference = differentiate(*args)
-        finally:
-            remat._tracing.record = record
-        facts, expected = graph_facts(gm), graph_facts(reference)
-        first = next((i for i, (a, b) in enumerate(zip(facts, expected)) if a != b), min(len(facts), len(expected)))
-        assert facts == expected, (
-            f"the recorded joint differs from make_fx's at node {first} of {len(expected)}:\n"
-            f"  recorded: {facts[first] if first < len(facts) else None}\n  make_fx:  {expected[first] if first < len(expected) else None}"
-        )
-        return gm
+            result = built_with(offer, args)
+        except Exception as error:
+            with pytest.raises(type(error)) as reference_error:
+                built_with(refuse_recording, args)
+            assert str(reference_error.value) == str(error), (str(reference_error.value), str(error))
+            raise
+        if not offered[0]:  # not offered to the recorder
+            _note("make_fx")
+        reference = built_with(refuse_recording, args)
+        _assert_same(facts_of(result), facts_of(reference), f"{stage} trace")
+        return result
 
     return compared
 
 
 @contextlib.contextmanager
-def joints_compared() -> Iterator[list[str]]:
-    """While inside, every joint trace remat makes is made again with make_fx and must
-    give the same graph. Yields a list that gets, per joint, "recorded" or "make_fx" (the
-    recorder left it to make_fx). Nests: the outermost patches remat, each gets every
-    outcome made while it is active."""
-    outcomes: list[str] = []
+def traces_compared() -> Iterator[list[tuple[str, str]]]:
+    """While inside, every stage-1 and joint trace remat makes is made again with make_fx
+    and must give the same graph. Yields a list that gets, per trace, ("stage 1" or
+    "joint", "recorded" or "make_fx" (the recorder left it to make_fx)). Nests: the
+    outermost patches remat, each gets every outcome made while it is active."""
+    outcomes: list[tuple[str, str]] = []
     callers = (remat._remat, remat._specializing, remat._tracing)  # _tracing's: higher-order gradients' joints
     outermost = not _OUTCOME_LISTS
-    differentiate = remat._tracing.differentiate
+    differentiate, capture = remat._tracing.differentiate, remat._specializing.capture
     if outermost:
-        compared = _compared(differentiate, remat._tracing.record)
+        record = remat._tracing.record
+        compared_joint = _compared("joint", differentiate, graph_facts, record)
         for module in callers:
-            module.differentiate = compared  # type: ignore[attr-defined]
+            module.differentiate = compared_joint  # type: ignore[attr-defined]
+        remat._specializing.capture = _compared("stage 1", capture, _captured_facts, record)  # type: ignore[attr-defined]
     _OUTCOME_LISTS.append(outcomes)
     try:
         yield outcomes
@@ -128,10 +165,11 @@ def joints_compared() -> Iterator[list[str]]:
         if outermost:
             for module in callers:
                 module.differentiate = differentiate  # type: ignore[attr-defined]
+            remat._specializing.capture = capture  # type: ignore[attr-defined]
 
 
-def run_compared(fn: Callable[[], Any]) -> list[str]:
-    """Run `fn` (which calls remat'd code) with every joint compared; the outcomes."""
-    with joints_compared() as outcomes:
+def run_compared(fn: Callable[[], Any]) -> list[tuple[str, str]]:
+    """Run `fn` (which calls remat'd code) with every trace compared; the outcomes."""
+    with traces_compared() as outcomes:
         fn()
     return outcomes

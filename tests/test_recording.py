@@ -1,10 +1,13 @@
-"""The joint forward+backward trace is recorded by remat's light tracer (remat/_recording.py)
-instead of make_fx where it can be; make_fx is the oracle: for torch's OpInfo samples and
-for real models, every joint graph the recorder makes must be the graph make_fx makes
-(tests/recording_oracle.py), and what the recorder leaves to make_fx must still match no
-remat. Gradients through recorded joints are checked everywhere else in the suite."""
+"""Both traces, stage 1 (the user's function) and the joint forward+backward, are recorded
+by remat's light tracer (remat/_recording.py) instead of make_fx where it can be; make_fx
+is the oracle: for torch's OpInfo samples and for real models, every graph the recorder
+makes must be the graph make_fx makes (tests/recording_oracle.py), and what the recorder
+leaves to make_fx must still match no remat. Gradients through recorded graphs are
+checked everywhere else in the suite."""
 
 from __future__ import annotations
+
+import os
 
 import model_zoo as Z
 import pytest
@@ -25,7 +28,7 @@ from conftest import assert_close
 @pytest.mark.parametrize("op_name", list(OPS))
 def test_recorded_joint_is_make_fx_joint_for_opinfo_samples(op_name: str, record_property: pytest.RecordProperty) -> None:
     """The first sample of every OpInfo op (and its non-contiguous copy), forward and
-    backward through remat: each joint the recorder makes equals make_fx's."""
+    backward through remat: each stage-1 graph and joint the recorder makes equals make_fx's."""
     rows = []
     chosen = list(samples(OPS[op_name]))
     for sample in chosen[:1] + chosen[1:][-1:]:
@@ -47,9 +50,9 @@ def test_recorded_joint_is_make_fx_joint_for_opinfo_samples(op_name: str, record
         try:
             outcomes = run_compared(forward_and_backward)
         except RematError:
-            rows.append(("joint recorder", "refused"))
+            rows.append(("recorder", "refused by remat"))
             continue
-        rows += [("joint recorder", outcome) for outcome in outcomes]
+        rows += [(f"{trace} recorder", outcome) for trace, outcome in outcomes]
     record_property("opinfo", rows)
 
 
@@ -64,9 +67,10 @@ def _model_step(case: Z.Case) -> None:
 @pytest.mark.parametrize("case", Z.HF_CASES + Z.OWN_CASES, ids=lambda c: c.name)
 def test_recorded_joint_is_make_fx_joint_for_models(case: Z.Case) -> None:
     """Llama, GPT-2, BERT (sdpa and eager, dropout on) and our own models: every layer's
-    joint is recorded, none left to make_fx, and each equals make_fx's."""
+    stage-1 graph and joint are recorded, none left to make_fx, and each equals make_fx's."""
     outcomes = run_compared(lambda: _model_step(case))
-    assert outcomes and set(outcomes) == {"recorded"}, outcomes
+    assert {trace for trace, _ in outcomes} == {"stage 1", "joint"}, outcomes
+    assert {outcome for _, outcome in outcomes} == {"recorded"}, outcomes
 
 
 def test_constants_in_the_graph_are_recorded_as_make_fx_records_them() -> None:
@@ -84,7 +88,7 @@ def test_constants_in_the_graph_are_recorded_as_make_fx_records_them() -> None:
     for policy in (P.nothing_saveable, P.everything_saveable):
         got: list[tuple[torch.Tensor, ...]] = []
         outcomes = run_compared(lambda: got.append(torch.autograd.grad(remat.remat(f, policy=policy)(x), x, cotangent)))
-        assert outcomes == ["recorded"]
+        assert outcomes == [("stage 1", "recorded"), ("joint", "recorded")]
         assert_close(got[0], expected)
 
 
@@ -107,7 +111,8 @@ _scaled_sin.register_autograd(_scaled_sin_backward, setup_context=lambda ctx, in
 
 def test_a_custom_op_is_left_to_make_fx_and_matches_no_remat() -> None:
     """A custom op's derivative is Python, which may treat the recorder unlike make_fx:
-    a region with one is traced by make_fx, and its gradients are no remat's."""
+    a region with one is traced by make_fx (stage 1 and the joint), and its gradients are
+    no remat's."""
     def f(x: torch.Tensor) -> torch.Tensor:
         return _scaled_sin(x.exp()).sum()
 
@@ -115,7 +120,7 @@ def test_a_custom_op_is_left_to_make_fx_and_matches_no_remat() -> None:
     expected = torch.autograd.grad(f(x), x)
     got: list[tuple[torch.Tensor, ...]] = []
     outcomes = run_compared(lambda: got.append(torch.autograd.grad(remat.remat(f)(x), x)))
-    assert outcomes == ["make_fx"]
+    assert outcomes == [("stage 1", "make_fx"), ("joint", "make_fx")]
     assert_close(got[0], expected)
 
 
@@ -137,3 +142,83 @@ def test_an_error_in_a_recorded_joint_is_make_fx_s_error() -> None:
                 remat.remat(f)(x, index)
             messages.append(str(error.value))
     assert messages[0] == messages[1]
+
+
+@pytest.mark.skipif(os.environ.get("REMAT_COMPARE_TRACES") == "1", reason="comparing traces runs every body once more")
+def test_the_function_body_runs_once_per_trace_and_twice_when_left_to_make_fx_halfway() -> None:
+    """Stage 1 runs the user's function under the recorder; make_fx runs it again only where
+    the recorder gives up partway (here a custom op after some recorded ops). Either way the
+    gradients are no remat's."""
+    runs = {"plain": 0, "custom": 0}
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        runs["plain"] += 1
+        return (x.sin() * x).sum()
+
+    def custom(x: torch.Tensor) -> torch.Tensor:
+        runs["custom"] += 1
+        return _scaled_sin(x.sin() * x).sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    for name, fn in (("plain", plain), ("custom", custom)):
+        expected = torch.autograd.grad(fn(x), x)
+        runs[name] = 0
+        assert_close(torch.autograd.grad(remat.remat(fn)(x), x), expected)
+    assert runs == {"plain": 1, "custom": 2}
+
+
+_GLOBAL_WEIGHT = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+
+
+def test_a_parameter_read_from_a_global_is_recorded_as_make_fx_records_it() -> None:
+    """An nn.Parameter the function reaches neither through its arguments nor its closure
+    (a module global): make_fx holds it as a `_param_constant` attribute, and so does the
+    recorder; remat then passes it by reference, so it gets its gradient."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x @ _GLOBAL_WEIGHT).tanh().sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    expected = torch.autograd.grad(f(x), (x, _GLOBAL_WEIGHT))
+    got: list[tuple[torch.Tensor, ...]] = []
+    outcomes = run_compared(lambda: got.append(torch.autograd.grad(remat.remat(f)(x), (x, _GLOBAL_WEIGHT))))
+    assert outcomes == [("stage 1", "recorded"), ("joint", "recorded")]
+    assert_close(got[0], expected)
+
+
+def test_fx_is_tracing_while_recording_as_under_make_fx() -> None:
+    """fx's "is tracing" flag is set while recording, as make_fx sets it (torch.compile'd
+    code reads it, and runs uncompiled under a trace): a function that branches on it gives
+    make_fx's graph (the traced branch, as any fx trace would; not eager's)."""
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x.sin() if symbolic_trace.is_fx_symbolic_tracing() else x.cos()).sum()
+
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    outcomes = run_compared(lambda: torch.autograd.grad(remat.remat(f)(x), x))
+    assert outcomes == [("stage 1", "recorded"), ("joint", "recorded")]
+
+
+def test_a_traced_function_is_freed_without_a_garbage_collection() -> None:
+    """Tracing leaves no reference cycle through the user's function: dropping it and its
+    region frees it (and the plans cached on it) at once, as plain Python would."""
+    import gc
+    import weakref
+
+    def make() -> object:
+        def f(x: torch.Tensor) -> torch.Tensor:
+            return (x.sin() * x).sum()
+        return f
+
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    gc.collect()
+    gc.disable()
+    try:
+        f = make()
+        region = remat.remat(f)
+        region(x).backward()
+        alive = weakref.ref(f)
+        del f, region
+        assert alive() is None
+    finally:
+        gc.enable()
