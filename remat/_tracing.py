@@ -270,8 +270,12 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         # it (embedding_bag's forward-only kernel has no derivative).
         fakes = [_fake_like(mode, t).requires_grad_(needs_grad(t)) for t in originals]
         generators = global_generator_states()
+
+        def forget_nested_scopes() -> None:  # met by a run the recorder gave up on
+            del scopes[1:]
+
         try:
-            gm = _recorded_or_traced(flat_fn, fakes, mode, restart=lambda: scopes.__delitem__(slice(1, None)))
+            gm = _recorded_or_traced(flat_fn, fakes, mode, restart=forget_nested_scopes)
         except Exception as error:
             failure = trace_failure(fn_name, error)
             if failure is error:  # the user's own exception (or torch's, as eager would raise)
