@@ -46,9 +46,9 @@ _LEFT_TO_MAKE_FX = frozenset({
 # make_fx evaluates a data-dependent op on constants, and notes the input values of an op
 # that needs exact strides ("eager_input_vals"): left to it too.
 _LEFT_TO_MAKE_FX_TAGS = frozenset({torch.Tag.data_dependent_output, torch.Tag.needs_exact_strides})
-# The ops whose derivatives are C++ formulas. A custom op's derivative is Python
-# (torch.library's autograd), which may treat a user dispatch mode unlike make_fx's:
-# linear_cross_entropy's records an extra `detach` per buffer it allocates.
+# The ops recorded: their kernels and derivatives are C++. A custom op's are Python
+# (torch.library), which may treat a user dispatch mode unlike make_fx's:
+# linear_cross_entropy's derivative records an extra `detach` per buffer it allocates.
 _RECORDED_NAMESPACES = frozenset({"aten", "prims"})
 # The non-tensor arguments a node holds as they are, as make_fx does.
 _LITERALS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
@@ -84,8 +84,8 @@ class _OpRecorder(TorchDispatchMode):
 
     def check(self, a: Any) -> torch.Tensor | None:
         """The first tensor in `a` (None if none); raises Unrecordable for what make_fx
-        must trace: a tensor neither the trace's nor a plain real tensor (a subclass, a
-        Parameter), a symbolic size."""
+        must trace: a tensor neither the trace's nor a plain real tensor or Parameter (a
+        constant) but a subclass, a symbolic size."""
         first = None
         for x in _leaves(a):
             if isinstance(x, torch.Tensor):
