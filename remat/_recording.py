@@ -13,6 +13,7 @@ make_fx instead; so does any error, so errors are make_fx's own.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import weakref
@@ -27,6 +28,7 @@ from ._torch_internals import (
     active_dispatch_modes,
     autograd_would_decompose,
     dispatch_modes_active,
+    fake_device,
     graph_module,
     make_fx_like_settings,
     meta_value,
@@ -72,7 +74,21 @@ class _OpRecorder(TorchDispatchMode):
         # see their result shared and return a detached copy, an extra `detach` op.
         self.nodes: dict[int, tuple[weakref.ref[torch.Tensor], torch.fx.Node]] = {}
         self.constants: dict[int, str] = {}  # id of a real tensor -> its attribute on `root`
-        self.decomposes: dict[tuple[Any, str | None], bool] = {}
+        self.decomposes: dict[tuple[int, str | None], bool] = {}
+        # Told the nodes of each op run at this mode's level (not those of the decompositions
+        # it runs below), as a mode above it would see them (`reporting_ops`).
+        self.report: Callable[[list[torch.fx.Node | None]], None] | None = None
+        self.depth = 0  # ops being recorded, one inside another (decompositions)
+
+    @contextlib.contextmanager
+    def reporting_ops(self, report: Callable[[list[torch.fx.Node | None]], None]) -> Iterator[None]:
+        """Within: `report` gets the nodes of each op's tensor outputs, what a dispatch mode
+        entered above this one would see, without the cost of another mode on every op."""
+        previous, self.report = self.report, report
+        try:
+            yield
+        finally:
+            self.report = previous
 
     def node_of(self, t: torch.Tensor) -> torch.fx.Node | None:
         entry = self.nodes.get(id(t))
@@ -127,24 +143,36 @@ class _OpRecorder(TorchDispatchMode):
         elif isinstance(out, (list, tuple)):
             node.meta["val"] = meta_value(out)
             for i, item in enumerate(out):
-                self.outputs(item, self.appender.create_node("call_function", operator.getitem, (node, i), {}))
+                item_node = self.appender.create_node("call_function", operator.getitem, (node, i), {}, name="getitem")
+                self.outputs(item, item_node)
         elif out is not None and type(out) not in (bool, int, float, complex):  # a symbolic size, an opaque object
             raise Unrecordable(f"an output of type {type(out).__name__}")
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.ops.prim.device.default:
-            return func(*args, **kwargs)
-        if func in _LEFT_TO_MAKE_FX or not _LEFT_TO_MAKE_FX_TAGS.isdisjoint(func.tags) or func.namespace not in _RECORDED_NAMESPACES:
+        if func is torch.ops.prim.device.default:  # asked of fake tensors hundreds of times a trace
+            device = fake_device(args[0]) if len(args) == 1 and not kwargs else None
+            return device if device is not None else func(*args, **kwargs)
+        name = _node_name(func, self.graph)
+        if name is None:
             raise Unrecordable(str(func))
         if func is aten.lift_fresh.default:  # as make_fx: the graph copies its constant
             func = aten.lift_fresh_copy.default
+            name = "lift_fresh_copy"
         with original_aten_op(func):  # as make_fx: around everything the op records
-            return self.record(func, args, kwargs)
+            if self.report is None or self.depth:
+                return self.record(func, args, kwargs, name)
+            self.depth += 1
+            try:
+                out = self.record(func, args, kwargs, name)
+            finally:
+                self.depth -= 1
+        self.report([self.node_of(x) for x in _leaves(out) if isinstance(x, torch.Tensor)])
+        return out
 
-    def record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    def record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], name: str) -> Any:
         first = self.check((args, kwargs))
-        key = (func, None if first is None else first.device.type)
+        key = (id(func), None if first is None else first.device.type)  # ops live as long as `_OPS`
         decomposes = self.decomposes.get(key)
         if decomposes is None:
             decomposes = self.decomposes[key] = autograd_would_decompose(func, [] if first is None else [first])
@@ -154,22 +182,47 @@ class _OpRecorder(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         node_args, node_kwargs = self.argument(args), self.argument(kwargs)
-        name = self.graph._target_to_str(func.overloadpacket.__name__)
         node = self.appender.create_node("call_function", func, node_args, node_kwargs, name=name)
         out = func(*args, **kwargs)
         self.outputs(out, node)
         return out
 
 
-def _leaves(a: Any) -> Iterator[Any]:
+# id of an op -> (the op, the name of its nodes, or None for an op left to make_fx).
+# Keyed by id (an op's own hash is a Python call), the op kept to check it.
+_OPS: dict[int, tuple[Any, str | None]] = {}
+
+
+def _node_name(func: Any, graph: torch.fx.Graph) -> str | None:
+    """The base name of `func`'s nodes, as make_fx names them; None if make_fx must trace it."""
+    entry = _OPS.get(id(func))
+    if entry is None or entry[0] is not func:
+        left = (
+            func in _LEFT_TO_MAKE_FX or not _LEFT_TO_MAKE_FX_TAGS.isdisjoint(func.tags)
+            or func.namespace not in _RECORDED_NAMESPACES
+        )
+        entry = _OPS[id(func)] = (func, None if left else graph._target_to_str(func.overloadpacket.__name__))
+    return entry[1]
+
+
+def _leaves(a: Any) -> list[Any]:
+    """The items of `a`, lists, tuples and dicts flattened, in order."""
+    leaves: list[Any] = []
+    _gather(a, leaves)
+    return leaves
+
+
+def _gather(a: Any, leaves: list[Any]) -> None:
     if isinstance(a, (list, tuple)):
         for x in a:
-            yield from _leaves(x)
+            if isinstance(x, (list, tuple, dict)):
+                _gather(x, leaves)
+            else:
+                leaves.append(x)
     elif isinstance(a, dict):
-        for x in a.values():
-            yield from _leaves(x)
+        _gather(list(a.values()), leaves)
     else:
-        yield a
+        leaves.append(a)
 
 
 def record(fn: Callable[..., Any], examples: Sequence[torch.Tensor], fake_mode: Any) -> torch.fx.GraphModule:
@@ -192,10 +245,17 @@ def record(fn: Callable[..., Any], examples: Sequence[torch.Tensor], fake_mode: 
     return graph_module(root, graph)
 
 
+def active_recorder() -> _OpRecorder | None:
+    """The recorder making a trace on this thread (the autograd engine's threads inherit
+    their caller's dispatch modes), if any."""
+    for mode in reversed(active_dispatch_modes()):
+        if isinstance(mode, _OpRecorder):
+            return mode
+    return None
+
+
 def traced_node(t: torch.Tensor) -> torch.fx.Node | None:
     """The node the trace being made (the recorder's on this thread, or make_fx's) made
     for `t`; None when not tracing or not made by the trace."""
-    for mode in reversed(active_dispatch_modes()):
-        if isinstance(mode, _OpRecorder):
-            return mode.node_of(unwrap_transforms(t))
-    return tracing_node(t)
+    recorder = active_recorder()
+    return recorder.node_of(unwrap_transforms(t)) if recorder is not None else tracing_node(t)

@@ -365,6 +365,17 @@ def original_aten_op(func: Any) -> contextlib.AbstractContextManager[Any]:
     return set_original_aten_op(func)  # type: ignore[no-any-return]
 
 
+def fake_device(t: Any) -> torch.device | None:
+    """What a fake tensor answers a device query (`prim.device`) with, as its fake mode
+    would, for a plain FakeTensor; None for anything else (torch 2.13,
+    _subclasses.fake_tensor FakeTensor.__torch_dispatch__)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if type(t) is not FakeTensor:
+        return None
+    return torch.device("meta") if t.fake_mode.in_kernel_invocation else t.fake_device
+
+
 def meta_value(value: Any) -> Any:
     """The meta "val" make_fx stores for a node's value: a fake tensor detached (without a
     trip through dispatch), a real constant as a fake of its layout from the active fake

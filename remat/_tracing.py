@@ -45,7 +45,7 @@ from ._nodes import (
 )
 from ._passes import inner_backwards_as_eager, random_fills_in_memory_order, rrelu_as_product, writes_out_of_place
 from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
-from ._recording import record, traced_node
+from ._recording import active_recorder, record, traced_node
 from ._torch_internals import (
     SYMBOLIC_SCALARS,
     autograd_engine_running,
@@ -157,30 +157,49 @@ def refuse_custom_function(value: Any) -> None:
         raise CustomFunctionUsed(function)
 
 
-class _Recorder(TorchDispatchMode):
-    """Writes on every traced node the user's file:line and, inside a nested region, its scope."""
+def _annotating() -> contextlib.AbstractContextManager[Any]:
+    """While the user's function runs (called from the function that calls it, where the
+    user's lines end): every op it runs gets its user line and scope written on its nodes,
+    by remat's recorder when it records the trace, else by a mode of its own above make_fx's."""
+    annotator = _Annotator(sys._getframe(1).f_code)
+    recorder = active_recorder()
+    return recorder.reporting_ops(annotator) if recorder is not None else _AnnotatingMode(annotator)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.boundary = sys._getframe(1).f_code  # made where the user's function is called: user lines end there
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        tensors = [leaf for leaf in optree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
-        if not tensors:  # a size or device query (the autograd engine and fake tensors make many)
-            return out
+class _Annotator:
+    """Writes on the nodes of each op the function runs the user's file:line and, inside a
+    nested region, its scope."""
+
+    def __init__(self, boundary: types.CodeType) -> None:
+        self.boundary = boundary  # the frame that calls the user's function: user lines end there
+
+    def __call__(self, nodes: list[torch.fx.Node | None]) -> None:
+        if not nodes:  # a size or device query (the autograd engine and fake tensors make many)
+            return
         line = user_line(self.boundary)
         state = _TRACING.get()
         scope = state[1] if state is not None else 0
         in_backward = autograd_engine_running()  # the function runs torch.autograd.grad / .backward
-        for leaf in tensors:
-            node = traced_node(leaf)
+        for node in nodes:
             if line is not None:
                 annotate(node, SOURCE_KEY, line, overwrite=False)
             if scope:
                 annotate(node, SCOPE_KEY, scope, overwrite=False)
             if in_backward:
                 annotate(node, BACKWARD_KEY, torch.is_grad_enabled(), producer_too=False)
+
+
+class _AnnotatingMode(TorchDispatchMode):
+    """The annotator as a dispatch mode, above make_fx's: it sees each op the function runs
+    (not the ops of the decompositions make_fx runs below it)."""
+
+    def __init__(self, annotator: _Annotator) -> None:
+        super().__init__()
+        self.annotator = annotator
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.annotator([traced_node(leaf) for leaf in optree.tree_leaves(out) if isinstance(leaf, torch.Tensor)])
         return out
 
 
@@ -251,7 +270,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         replacements = list(call.captured)
         for i, t in zip(slotted, tensors[n_explicit:]):
             replacements[i] = t
-        with call.substituted(replacements), _Recorder(), _GuardTracing(under_transform):
+        with call.substituted(replacements), _annotating(), _GuardTracing(under_transform):
             out = fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten(out)
         for leaf in leaves:
