@@ -14,6 +14,7 @@ make_fx instead; so does any error, so errors are make_fx's own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import operator
 import weakref
@@ -162,6 +163,7 @@ class _OpRecorder(TorchDispatchMode):
         with original_aten_op(func):  # as make_fx: around everything the op records
             if self.report is None or self.depth:
                 return self.record(func, args, kwargs, name)
+            args, kwargs = _as_passed_on(func, args, kwargs)
             self.depth += 1
             try:
                 out = self.record(func, args, kwargs, name)
@@ -203,6 +205,39 @@ def _node_name(func: Any, graph: torch.fx.Graph) -> str | None:
         )
         entry = _OPS[id(func)] = (func, None if left else graph._target_to_str(func.overloadpacket.__name__))
     return entry[1]
+
+
+_NO_DEFAULT = object()
+
+
+@functools.cache
+def _defaults(func: Any) -> tuple[list[Any], dict[str, Any]]:
+    """`func`'s positional arguments' defaults (`_NO_DEFAULT` where none), and its
+    keyword-only arguments' (torch 2.13, FunctionSchema)."""
+    positional = [a.default_value if a.has_default_value() else _NO_DEFAULT for a in func._schema.arguments if not a.kwarg_only]
+    keyword = {a.name: a.default_value for a in func._schema.arguments if a.kwarg_only and a.has_default_value()}
+    return positional, keyword
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return default is not _NO_DEFAULT and type(value) is type(default) and bool(value == default)
+
+
+def _as_passed_on(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Sequence[Any], dict[str, Any]]:
+    """The arguments as a dispatch mode above this one would pass them on (its call from
+    Python leaves out trailing positional and keyword-only arguments equal to their
+    defaults). An op called from C++ can arrive with them: an absent optional tensor is an
+    undefined tensor there, which torch does not count as its default None
+    (`_embedding_bag`'s `per_sample_weights` from `embedding_bag`)."""
+    positional, keyword = _defaults(func)
+    n = len(args)
+    while n and n <= len(positional) and _is_default(args[n - 1], positional[n - 1]):
+        n -= 1
+    if n < len(args):
+        args = args[:n]
+    if any(k in keyword and _is_default(v, keyword[k]) for k, v in kwargs.items()):
+        kwargs = {k: v for k, v in kwargs.items() if not (k in keyword and _is_default(v, keyword[k]))}
+    return args, kwargs
 
 
 def _leaves(a: Any) -> list[Any]:

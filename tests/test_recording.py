@@ -185,6 +185,24 @@ def test_a_parameter_read_from_a_global_is_recorded_as_make_fx_records_it() -> N
     assert_close(got[0], expected)
 
 
+def test_an_op_called_from_cpp_is_recorded_with_the_arguments_make_fx_sees() -> None:
+    """embedding_bag's kernel calls `_embedding_bag` from C++ with an absent
+    `per_sample_weights`, which reaches a dispatch mode as an explicit None (and `sparse`
+    before it); make_fx, below remat's annotating mode, gets the call as that mode passes it
+    on from Python, trailing defaults left out. The recorder, with no mode above it, must
+    record the same arguments."""
+    weight = torch.randn(10, 3, dtype=torch.float64, requires_grad=True)
+    index, offsets = torch.tensor([1, 2, 4, 5, 4, 3]), torch.tensor([0, 3])
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding_bag(index, w, offsets, mode="mean").pow(2).sum()
+
+    got: list[tuple[torch.Tensor, ...]] = []
+    outcomes = run_compared(lambda: got.append(torch.autograd.grad(remat.remat(f)(weight), weight)))
+    assert outcomes == [("stage 1", "recorded"), ("joint", "recorded")]
+    assert_close(got[0], torch.autograd.grad(f(weight), weight))
+
+
 def test_fx_is_tracing_while_recording_as_under_make_fx() -> None:
     """fx's "is tracing" flag is set while recording, as make_fx sets it (torch.compile'd
     code reads it, and runs uncompiled under a trace): a function that branches on it gives
