@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 
-from ._nodes import BACKWARD_KEY, USER_DETACH_KEY, comes_after, is_view
+from ._nodes import BACKWARD_KEY, GRAD_OFF_KEY, USER_DETACH_KEY, comes_after, is_tuple, is_view
 from ._torch_internals import new_fake_mode
 
 _aten = torch.ops.aten
@@ -82,6 +82,28 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
         graph.erase_node(node)
         if not filled.users:
             graph.erase_node(filled)
+    graph.lint()
+
+
+def grad_free_values_as_constants(gm: torch.fx.GraphModule) -> None:
+    """A value the function computes with grad disabled (`no_grad`, `inference_mode`,
+    `set_grad_enabled(False)`) is a constant of backward in eager code. Stage 2 replays the
+    graph with grad on, so each such value is detached where code running with grad on (or
+    the output) reads it: no gradient flows into or through it, as in eager."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        custom = node.meta.get("custom", {})
+        if node.op != "call_function" or not custom.get(GRAD_OFF_KEY) or is_tuple(node):
+            continue
+        outside = [u for u in node.users if u.op == "output" or not u.meta.get("custom", {}).get(GRAD_OFF_KEY)]
+        if not outside:
+            continue
+        with graph.inserting_after(node):
+            constant = graph.call_function(_aten.detach.default, (node,))
+        rest = {k: v for k, v in custom.items() if k != GRAD_OFF_KEY}
+        constant.meta = {**node.meta, "custom": {**rest, USER_DETACH_KEY: True}}
+        for user in outside:
+            user.replace_input_with(node, constant)
     graph.lint()
 
 

@@ -55,6 +55,15 @@ def autograd_engine_running() -> bool:
     return torch._C._current_autograd_node() is not None
 
 
+def grad_disabled_by_code() -> bool:
+    """True when grad is off because code chose so (`no_grad`, `set_grad_enabled(False)`,
+    `inference_mode`), not because an autograd.Function runs its forward (a custom op's
+    autograd, which turns off forward-mode grad too; torch 2.13 and 2.11)."""
+    if torch.is_grad_enabled():
+        return False
+    return bool(torch._C._is_fwd_grad_enabled()) or torch.is_inference_mode_enabled()
+
+
 def forward_ad_active() -> bool:
     """True when forward-mode AD (torch.func.jvp or forward_ad.dual_level) is live (torch 2.13)."""
     return torch.autograd.forward_ad._current_level >= 0

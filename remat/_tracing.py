@@ -36,19 +36,29 @@ from ._naming import annotate
 from ._nodes import (
     BACKWARD_KEY,
     DIFFERENTIABLE_KEY,
+    GRAD_OFF_KEY,
     SCOPE_KEY,
     SOURCE_KEY,
     USER_DETACH_KEY,
+    comes_after,
     is_random,
     is_view,
     producer,
 )
-from ._passes import inner_backwards_as_eager, random_fills_in_memory_order, rrelu_as_product, writes_out_of_place
+from ._passes import (
+    grad_free_values_as_constants,
+    inner_backwards_as_eager,
+    random_fills_in_memory_order,
+    rrelu_as_product,
+    writes_in_place,
+    writes_out_of_place,
+)
 from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
 from ._recording import active_recorder, record, traced_node
 from ._torch_internals import (
     SYMBOLIC_SCALARS,
     autograd_engine_running,
+    grad_disabled_by_code,
     new_fake_mode,
     preserve_node_meta,
     storage_extent,
@@ -114,6 +124,7 @@ class _GuardTracing(TorchFunctionMode):
     def __init__(self, transformed: bool) -> None:
         super().__init__()
         self.transformed = transformed
+        self.grad_off = False  # the call being run was made with grad disabled
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -130,7 +141,11 @@ class _GuardTracing(TorchFunctionMode):
             refuse_custom_function(arg)
         if self.transformed and func in self._DROPOUTS:
             return _dropout_as_under_transforms(func, *args, **kwargs)
-        out = func(*args, **kwargs)
+        previous, self.grad_off = self.grad_off, not torch.is_grad_enabled()
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            self.grad_off = previous
         if func in self._DETACHES and isinstance(out, torch.Tensor):
             annotate(traced_node(out), USER_DETACH_KEY, True, producer_too=False)
         return out
@@ -157,11 +172,11 @@ def refuse_custom_function(value: Any) -> None:
         raise CustomFunctionUsed(function)
 
 
-def _annotating() -> contextlib.AbstractContextManager[Any]:
+def _annotating(guard: _GuardTracing) -> contextlib.AbstractContextManager[Any]:
     """While the user's function runs (called from the function that calls it, where the
     user's lines end): every op it runs gets its user line and scope written on its nodes,
     by remat's recorder when it records the trace, else by a mode of its own above make_fx's."""
-    annotator = _Annotator(sys._getframe(1).f_code)
+    annotator = _Annotator(sys._getframe(1).f_code, guard)
     recorder = active_recorder()
     return recorder.reporting_ops(annotator) if recorder is not None else _AnnotatingMode(annotator)
 
@@ -170,8 +185,9 @@ class _Annotator:
     """Writes on the nodes of each op the function runs the user's file:line and, inside a
     nested region, its scope."""
 
-    def __init__(self, boundary: types.CodeType) -> None:
+    def __init__(self, boundary: types.CodeType, guard: _GuardTracing) -> None:
         self.boundary = boundary  # the frame that calls the user's function: user lines end there
+        self.guard = guard  # knows the grad mode of the user's call that runs the op
 
     def __call__(self, nodes: list[torch.fx.Node | None]) -> None:
         if not nodes:  # a size or device query (the autograd engine and fake tensors make many)
@@ -180,6 +196,7 @@ class _Annotator:
         state = _TRACING.get()
         scope = state[1] if state is not None else 0
         in_backward = autograd_engine_running()  # the function runs torch.autograd.grad / .backward
+        grad_off = not in_backward and (self.guard.grad_off or grad_disabled_by_code())  # no_grad, inference_mode...
         for node in nodes:
             if line is not None:
                 annotate(node, SOURCE_KEY, line, overwrite=False)
@@ -187,6 +204,8 @@ class _Annotator:
                 annotate(node, SCOPE_KEY, scope, overwrite=False)
             if in_backward:
                 annotate(node, BACKWARD_KEY, torch.is_grad_enabled(), producer_too=False)
+            elif grad_off:
+                annotate(node, GRAD_OFF_KEY, True)
 
 
 class _AnnotatingMode(TorchDispatchMode):
@@ -270,7 +289,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         replacements = list(call.captured)
         for i, t in zip(slotted, tensors[n_explicit:]):
             replacements[i] = t
-        with call.substituted(replacements), _annotating(), _GuardTracing(under_transform):
+        guard = _GuardTracing(under_transform)
+        with call.substituted(replacements), _annotating(guard), guard:
             out = fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten(out)
         for leaf in leaves:
@@ -303,6 +323,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         _refuse_reseeding(fn_name, generators)
         _refuse_stored_tracing_values(fn_name, fn, call)
     _reject_data_dependent_ops(gm, fn_name)
+    _reject_grad_free_writes(gm, fn_name, [f.requires_grad for f in fakes])
     _number_random_ops(gm)
     captured = Captured(
         graph=gm,
@@ -321,6 +342,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     _keep_used_captured(captured, call, slotted)
     _lift_constants(captured, call, fn_name, under_transform)
     random_fills_in_memory_order(gm)
+    grad_free_values_as_constants(gm)
     inner_backwards_as_eager(gm)
     gm = captured.graph = functionalized(gm)
     functionalize_remaining_mutations(gm, fn_name)
@@ -445,6 +467,40 @@ def _reject_data_dependent_ops(gm: torch.fx.GraphModule, fn_name: str) -> None:
                 f"(`.item()`, `float(t)`, `int(t)`) at {where}. A remat'd function is traced once "
                 "without data, so such a value would be frozen. Pass it as a static argument "
                 "(`static_argnums`/`static_argnames`) or keep it a tensor."
+            )
+
+
+def _reject_grad_free_writes(gm: torch.fx.GraphModule, fn_name: str, needs: Sequence[bool]) -> None:
+    """An in-place op run with grad disabled on a value autograd tracks changes its data
+    behind autograd's back: eager code then differentiates later reads as if the value
+    were unchanged, which no functional graph can express. Refused where something
+    computed with grad on reads the value afterwards."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tracked = {node for node, need in zip(placeholders, needs) if need}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not any(i in tracked for i in node.all_input_nodes):
+            continue
+        custom = node.meta.get("custom", {})
+        if not custom.get(GRAD_OFF_KEY) and not custom.get(USER_DETACH_KEY):
+            tracked.add(node)
+            if writes_in_place(node) and isinstance(node.args[0], torch.fx.Node):
+                tracked.add(node.args[0])
+            continue
+        written = node.args[0] if writes_in_place(node) else None
+        if not isinstance(written, torch.fx.Node) or written not in tracked:
+            continue
+        readers = [
+            u for u in (*written.users, *node.users)
+            if u is not node and u.op in ("call_function", "output")
+            and not u.meta.get("custom", {}).get(GRAD_OFF_KEY) and comes_after(gm.graph, u, node)
+        ]
+        if readers:
+            raise RematTraceError(
+                f"remat could not trace `{fn_name}`: at {custom.get(SOURCE_KEY, 'an unknown line')} it changes "
+                f"a tensor autograd tracks in place with grad disabled ({node.target}), then reads or returns it with "
+                "grad on. Eager autograd differentiates that as if the tensor had not changed, which a traced "
+                "graph cannot express. Make the change out of place (`y = y.clamp(...)` under no_grad gives a "
+                "constant), or apply it outside the remat'd function."
             )
 
 

@@ -1,0 +1,146 @@
+"""What the user's Python does inside a region besides aten ops, each channel captured in the
+graph or refused by name, against the same code without remat (float64).
+
+remat runs a function's Python once, on fake tensors, and replays the aten graph it
+recorded. Grad mode, module hooks, tensor hooks, generator state, side effects and the
+ops a policy runs to decide are not aten ops of that graph: each test here checks one of
+them against eager code, under every transform the channel meets.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from remat import RematTraceError, remat
+from remat import policies as P
+
+from conftest import assert_close
+from test_transforms import TRANSFORMS
+
+D = torch.float64
+pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")
+
+Fn = Callable[..., torch.Tensor]
+CHANNEL_POLICIES = {
+    "none": None, "nothing": P.nothing_saveable, "everything": P.everything_saveable, "dots": P.dots_saveable,
+}
+CHANNEL_TRANSFORMS = ["backward", "double_backward", "grad", "vjp", "jacrev", "vmap_grad", "grad_vmap", "grad_grad"]
+
+
+def _params() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, dtype=D, generator=gen)
+    return x, {"w": torch.randn(4, 4, dtype=D, generator=gen), "b": torch.randn(4, dtype=D, generator=gen)}
+
+
+def _compare(fn: Fn, policy_name: str, transform: str) -> None:
+    x, p = _params()
+    run = TRANSFORMS[transform]
+    assert_close(run(remat(fn, policy=CHANNEL_POLICIES[policy_name]), x, p), run(fn, x, p), rtol=1e-10, atol=1e-12)
+
+
+# --- grad mode --------------------------------------------------------------------------
+
+
+def _no_grad_block(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    h = x @ p["w"]
+    with torch.no_grad():
+        scale = h.sin() * 3 + p["b"]
+    return (h * scale + p["b"]).tanh()
+
+
+def _set_grad_enabled_false(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    h = x @ p["w"]
+    with torch.set_grad_enabled(False):
+        gate = torch.sigmoid(h + p["b"])
+    return (h + p["b"]).cos() * gate
+
+
+def _inference_mode(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.inference_mode():
+        shift = (x @ p["w"]).mean(-1, keepdim=True)
+    return (x @ p["w"] + p["b"]) - shift  # a sum saves no tensor, as inference tensors require
+
+
+@torch.no_grad()
+def _constant_of(h: torch.Tensor) -> torch.Tensor:
+    return F.softmax(h, dim=-1)
+
+
+def _no_grad_helper(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    h = x @ p["w"] + p["b"]
+    return h * _constant_of(h)
+
+
+def _enable_grad_inside_no_grad(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    h = x @ p["w"]
+    with torch.no_grad():
+        constant = h.exp()
+        with torch.enable_grad():
+            tracked = (h * p["b"]).sin()
+        also_constant = tracked * 2
+    return h * constant.tanh() + tracked + also_constant.cos()
+
+
+GRAD_MODES = {
+    "no_grad": _no_grad_block,
+    "set_grad_enabled": _set_grad_enabled_false,
+    "inference_mode": _inference_mode,
+    "no_grad_helper": _no_grad_helper,
+    "enable_grad_inside": _enable_grad_inside_no_grad,
+}
+
+
+@pytest.mark.parametrize("transform", CHANNEL_TRANSFORMS)
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+@pytest.mark.parametrize("fn_name", list(GRAD_MODES))
+def test_values_computed_with_grad_off_are_constants_of_backward(fn_name: str, policy_name: str, transform: str) -> None:
+    _compare(GRAD_MODES[fn_name], policy_name, transform)
+
+
+def test_an_output_computed_with_grad_off_does_not_require_grad() -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            stats = x.mean()
+        return x.sin(), stats
+
+    x = torch.randn(4, dtype=D, requires_grad=True)
+    out, stats = remat(f)(x)
+    assert out.requires_grad and not stats.requires_grad
+    assert_close(stats, x.mean().detach())
+
+
+def test_an_in_place_change_with_grad_off_of_a_tracked_value_is_refused() -> None:
+    """Eager autograd differentiates a later read as if the value had not changed: no
+    functional graph says that, so remat refuses and names the line."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        with torch.no_grad():
+            y.clamp_(-1, 1)
+        return (y * x).sum()
+
+    x = torch.randn(5, dtype=D, requires_grad=True)
+    with pytest.raises(RematTraceError, match=r"test_python_channels.py:\d+ it changes .* in place with grad disabled \(aten.clamp_.default\)"):
+        remat(f)(x)
+
+
+def test_an_in_place_change_with_grad_off_nobody_reads_after_is_exact() -> None:
+    """An input updated under no_grad and not read again (a step taken inside the region)."""
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        out = (x.sin() + w).sum()  # reads w, saves nothing of it
+        with torch.no_grad():
+            w.mul_(0.5)
+        return out
+
+    x = torch.randn(4, dtype=D, requires_grad=True)
+    w_eager, w_remat = torch.randn(4, dtype=D), None
+    w_remat = w_eager.clone()
+    f(x, w_eager).backward()
+    expected = x.grad.clone()
+    x.grad = None
+    remat(f)(x, w_remat).backward()
+    assert_close((x.grad, w_remat), (expected, w_eager))
