@@ -448,12 +448,20 @@ def ask(policy: Callable[..., bool] | None, node: torch.fx.Node) -> bool:
     return answer_of(policy, node.target, args, kwargs, node_name(node))
 
 
+_META = torch.device("meta")
+
+
 def answer_of(policy: Callable[..., bool], op: Any, args: Any, kwargs: dict[str, Any], name: str | None) -> bool:
     """`policy`'s answer for `op` called with (meta) `args`, its output tagged `name`;
-    insist on a bool or an Offload."""
+    insist on a bool or an Offload. The policy runs with meta as the default device, so
+    one that runs the op to see its output never computes anything (nor draws from a
+    generator)."""
     if name is not None:
         kwargs = {**kwargs, "name": name}
-    answer = policy(op, *args, **kwargs)
+    if "device" in kwargs:  # a factory's device: the policy sees metadata only, as for tensors
+        kwargs = {**kwargs, "device": _META}
+    with torch.device(_META):  # a policy that runs the op (a factory too) runs it on meta tensors
+        answer = policy(op, *args, **kwargs)
     if not isinstance(answer, (bool, Offload)):
         raise TypeError(
             f"remat policy {policy!r} returned {answer!r} ({type(answer).__name__}) for op {op}; "

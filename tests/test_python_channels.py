@@ -144,3 +144,35 @@ def test_an_in_place_change_with_grad_off_nobody_reads_after_is_exact() -> None:
     x.grad = None
     remat(f)(x, w_remat).backward()
     assert_close((x.grad, w_remat), (expected, w_eager))
+
+
+# --- what a policy runs -----------------------------------------------------------------
+
+
+class _RunsTheOp:
+    """A user policy that runs the op to look at its output, as `keep_outputs_where` does."""
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        kwargs.pop("name", None)
+        out = op(*args, **kwargs)
+        return isinstance(out, torch.Tensor) and out.device.type == "meta" and out.numel() < 16
+
+
+@pytest.mark.parametrize("policy", [P.output_smaller_than(100), P.keep_outputs_where(lambda out: True), _RunsTheOp()], ids=repr)
+def test_a_policy_that_runs_the_op_sees_metadata_only(policy: Any) -> None:
+    """Factories included: asked about `randn(3, 3)`, a policy running it would draw from
+    the global generator while remat traces (the first call's values and the stream after
+    would differ) and allocate real memory."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.randn(3, 3, dtype=D) + torch.rand(3, 3, dtype=D, device="cpu")
+
+    x = torch.randn(3, 3, dtype=D, requires_grad=True)
+    r = remat(f, policy=policy)
+    runs = []
+    for fn in (f, r, r):
+        torch.manual_seed(0)
+        out = fn(x)
+        (g,) = torch.autograd.grad(out.pow(2).sum(), x)
+        runs.append((out.detach(), g, torch.rand(3)))
+    assert_close(runs[1], runs[0])
+    assert_close(runs[2], runs[0])
