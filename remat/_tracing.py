@@ -114,12 +114,18 @@ def _tracing_region(scope: Scope) -> Iterator[list[Scope]]:
 
 class _GuardTracing(TorchFunctionMode):
     """Refuses, while tracing, what would make a silently wrong graph: reading data that
-    fake tensors do not have (`.numpy()`, `.tolist()`), and values made by a custom
-    torch.autograd.Function, whose forward traces but whose hand-written backward does not."""
+    fake tensors do not have (`.numpy()`, `.tolist()`), tensor hooks (a graph holds none),
+    and values made by a custom torch.autograd.Function, whose forward traces but whose
+    hand-written backward does not. Notes the grad mode of each call the function makes."""
 
     _REFUSED = {torch.Tensor.numpy: ".numpy()", torch.Tensor.tolist: ".tolist()", torch.Tensor.__array__: "numpy conversion"}
     _DROPOUTS = {torch.nn.functional.dropout, torch.dropout}
     _DETACHES = {torch.Tensor.detach, torch.detach}
+    _TENSOR_HOOKS = {
+        torch.Tensor.register_hook: ".register_hook(...)",
+        torch.Tensor.register_post_accumulate_grad_hook: ".register_post_accumulate_grad_hook(...)",
+        torch.Tensor.retain_grad: ".retain_grad()",
+    }
 
     def __init__(self, transformed: bool) -> None:
         super().__init__()
@@ -131,6 +137,14 @@ class _GuardTracing(TorchFunctionMode):
         what = self._REFUSED.get(func)
         if what is not None:
             raise RematTraceError(f"{what} reads a tensor's data, which tracing does not have")
+        hook = self._TENSOR_HOOKS.get(func)
+        if hook is not None:
+            raise RematTraceError(
+                f"`{hook}` on a tensor inside the region would be dropped: remat traces the function once "
+                "and replays a graph, which holds no tensor hooks, so the gradient would be computed as if the "
+                "hook were not there. Register the hook outside the remat'd function (on its inputs or "
+                "outputs), or split the function there into two remat regions and hook the value between them"
+            )
         if func is torch.Tensor.backward:
             raise RematTraceError(
                 "`.backward()` accumulates into `.grad` as a side effect, which a traced graph cannot "

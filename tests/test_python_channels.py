@@ -176,3 +176,33 @@ def test_a_policy_that_runs_the_op_sees_metadata_only(policy: Any) -> None:
         runs.append((out.detach(), g, torch.rand(3)))
     assert_close(runs[1], runs[0])
     assert_close(runs[2], runs[0])
+
+
+# --- tensor hooks -----------------------------------------------------------------------
+
+
+def _hook_on_intermediate(x: torch.Tensor) -> torch.Tensor:
+    h = x.sin()
+    h.register_hook(lambda g: g * 2)
+    return (h**2).sum()
+
+
+def _retain_grad(x: torch.Tensor) -> torch.Tensor:
+    h = x.sin()
+    h.retain_grad()
+    return (h**2).sum()
+
+
+def _hook_on_input(x: torch.Tensor) -> torch.Tensor:
+    x.register_post_accumulate_grad_hook(lambda t: None)
+    return x.sin().sum()
+
+
+@pytest.mark.parametrize("fn", [_hook_on_intermediate, _retain_grad, _hook_on_input], ids=lambda f: f.__name__)
+def test_a_tensor_hook_inside_a_region_is_refused_naming_the_line(fn: Fn) -> None:
+    """A graph holds no tensor hooks: the gradient would silently be the one without it."""
+    x = torch.randn(5, dtype=D, requires_grad=True)
+    with pytest.raises(RematTraceError, match=r"test_python_channels.py:\d+ .*would be dropped.*outside the remat'd function"):
+        remat(fn)(x)
+    with pytest.raises(RematTraceError, match="would be dropped"):
+        torch.func.grad(remat(fn))(x.detach())
