@@ -322,7 +322,7 @@ def _roots(fn: types.FunctionType) -> tuple[Any, ...] | None:
 def _walked_into(value: Any) -> bool:
     """Whether collect_captured looks inside `value` (see its visit)."""
     if isinstance(value, types.FunctionType):
-        return not _in_a_library(value.__code__)
+        return not in_a_library(value.__code__)
     return isinstance(value, (torch.nn.Module, list, dict, tuple, functools.partial, types.MethodType))
 
 
@@ -407,7 +407,7 @@ def collect_captured(fn: Callable[..., Any]) -> Collected:
             return
         seen.add(id(value))
         if isinstance(value, types.FunctionType):  # inspect.isfunction, first as the most common
-            if _in_a_library(value.__code__):
+            if in_a_library(value.__code__):
                 return
             names = _names_of(value.__code__)
             for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
@@ -503,7 +503,7 @@ _LIBRARIES = tuple(
 )
 
 
-def _in_a_library(code: types.CodeType) -> bool:
+def in_a_library(code: types.CodeType) -> bool:
     """Code of an installed package or of the standard library: its closures and globals
     hold no tensors of the user's (a model's parameters are found through its module)."""
     return code.co_filename.startswith(_LIBRARIES)

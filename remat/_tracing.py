@@ -18,17 +18,18 @@ import inspect
 import operator
 import sys
 import types
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import optree
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._arguments import Call, needs_grad
+from ._arguments import Call, RematStateWarning, needs_grad
+from ._reachable import Snapshot, roots_of, stand_in_path
 from ._errors import RematTraceError
 from ._failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_line
 from ._mutations import functionalize_remaining_mutations, outputs_for_mutations
@@ -56,7 +57,6 @@ from ._passes import (
 from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
 from ._recording import active_recorder, record, traced_node
 from ._torch_internals import (
-    SYMBOLIC_SCALARS,
     autograd_engine_running,
     grad_disabled_by_code,
     new_fake_mode,
@@ -323,6 +323,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         # it (embedding_bag's forward-only kernel has no derivative).
         fakes = [_fake_like(mode, t).requires_grad_(needs_grad(t)) for t in originals]
         generators = global_generator_states()
+        roots = roots_of(fn, call.objects())
+        before = Snapshot.take(roots)
 
         def forget_nested_scopes() -> None:  # met by a run the recorder gave up on
             del scopes[1:]
@@ -335,7 +337,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
                 raise
             raise failure from error
         _refuse_reseeding(fn_name, generators)
-        _refuse_stored_tracing_values(fn_name, fn, call)
+        _refuse_stand_ins(fn_name, roots, out_info["static"])
+        _warn_changes(fn_name, fn, before)
     _reject_data_dependent_ops(gm, fn_name)
     _reject_grad_free_writes(gm, fn_name, [f.requires_grad for f in fakes])
     _number_random_ops(gm)
@@ -400,57 +403,54 @@ def _reads_storage_offsets(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _refuse_stored_tracing_values(fn_name: str, fn: Callable[..., Any], call: Call) -> None:
+def _refuse_stand_ins(fn_name: str, roots: list[tuple[str, Any]], out_static: list[Any]) -> None:
     """A function that stores a value it computes in an object it was given or closes over
-    (a key/value cache's `update`, `self.last_attention = a`) would leave tracing stand-ins
-    there: refuse, naming where."""
-    owner = fn.__self__ if inspect.ismethod(fn) else fn if isinstance(fn, torch.nn.Module) else None
-    roots = [*call.objects(), ("self", owner) if owner is not None else ("", fn)]
-    for path, root in roots:
-        found = _stand_in_reachable(root, path, 4, set())
-        if found is not None:
+    (a key/value cache's `update`, `self.last_attention = a`), or returns one inside an
+    object optree does not flatten, would leave tracing stand-ins there: refuse, naming where."""
+    found = stand_in_path(roots)
+    if found is not None:
+        raise RematTraceError(
+            f"remat could not trace `{fn_name}`: it stores a tensor it computes in `{found}`. remat "
+            "traces the function once with stand-in tensors and then runs a graph, so that object "
+            "would hold stand-ins, not values. Return the value instead of storing it (for Hugging "
+            "Face models in training: `use_cache=False`, as their own gradient checkpointing sets)."
+        )
+    for k, leaf in enumerate(out_static):
+        if leaf is not None and stand_in_path([("", leaf)]) is not None:
             raise RematTraceError(
-                f"remat could not trace `{fn_name}`: it stores a tensor it computes in `{found}`. remat "
-                "traces the function once with stand-in tensors and then runs a graph, so that object "
-                "would hold stand-ins, not values. Return the value instead of storing it (for Hugging "
-                "Face models in training: `use_cache=False`, as their own gradient checkpointing sets)."
+                f"remat could not trace `{fn_name}`: its output {k} is a {type(leaf).__name__} holding a tensor, "
+                "which optree does not flatten, so remat would return it as it was traced, holding stand-ins. "
+                "Return tensors in tuples, lists, dicts or namedtuples, or register the class with "
+                "optree.register_pytree_node."
             )
 
 
-def _stand_in_reachable(value: Any, path: str, depth: int, seen: set[int]) -> str | None:
-    """The path of a tracing stand-in (a fake tensor, or a symbolic size of a template's
-    trace) reachable from `value`, if any."""
-    if isinstance(value, (FakeTensor, *SYMBOLIC_SCALARS)):
-        return path
-    if depth == 0 or id(value) in seen or isinstance(value, (torch.Tensor, str, bytes, type)) or callable(value) and not (
-        inspect.isfunction(value) or isinstance(value, torch.nn.Module)
-    ):
-        return None
-    seen.add(id(value))
-    if isinstance(value, dict):
-        items: Any = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    elif inspect.isfunction(value):
-        items = ((name, cell.cell_contents) for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()) if _filled(cell))
-    elif hasattr(value, "__dict__") and not isinstance(value, types.ModuleType):
-        items = ((k, v) for k, v in vars(value).items() if k not in ("_parameters", "_buffers"))
-    else:
-        return None
-    for key, item in items:
-        inner = (f"{path}.{key}" if path else key) if isinstance(key, str) else f"{path}[{key!r}]"
-        found = _stand_in_reachable(item, inner, depth - 1, seen)
-        if found is not None:
-            return found
-    return None
+_WARNED_CHANGES: set[tuple[str, str]] = set()
 
 
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
+def _warn_changes(fn_name: str, fn: Callable[..., Any], before: Snapshot) -> None:
+    """Warn, once per region and object, that the function changed an object it reaches
+    while traced: the change happens once per trace, not once per call."""
+    code = _code_of(fn)
+    for change in before.changed():
+        key = (fn_name if code is None else f"{code.co_filename}:{code.co_firstlineno}", change)
+        if key in _WARNED_CHANGES:
+            continue
+        _WARNED_CHANGES.add(key)
+        message = (
+            f"remat: `{fn_name}` changes {change} while traced. remat runs a function's Python when it "
+            "traces it, not on every call, so this change happens once per trace. Keep such state outside "
+            "the remat'd function, or return the new value."
+        )
+        if code is None:
+            warnings.warn(message, RematStateWarning, stacklevel=5)
+        else:
+            warnings.warn_explicit(message, RematStateWarning, code.co_filename, code.co_firstlineno)
+
+
+def _code_of(fn: Callable[..., Any]) -> types.CodeType | None:
+    function = fn.__func__ if inspect.ismethod(fn) else type(fn).forward if isinstance(fn, torch.nn.Module) else fn
+    return getattr(function, "__code__", None)
 
 
 def _keep_used_captured(captured: Captured, call: Call, slotted: list[int]) -> None:

@@ -9,12 +9,14 @@ them against eager code, under every transform the channel meets.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import remat as remat_package
 from remat import RematTraceError, remat
 from remat import policies as P
 
@@ -206,3 +208,93 @@ def test_a_tensor_hook_inside_a_region_is_refused_naming_the_line(fn: Fn) -> Non
         remat(fn)(x)
     with pytest.raises(RematTraceError, match="would be dropped"):
         torch.func.grad(remat(fn))(x.detach())
+
+
+# --- Python side effects ----------------------------------------------------------------
+
+_GLOBAL_LOG: list[int] = []
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.seen: dict[str, int] = {}
+
+
+def _side_effects() -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    log: list[int] = []
+    counter = _Counter()
+
+    def appends(x: torch.Tensor) -> torch.Tensor:
+        log.append(1)
+        return x.sin().sum()
+
+    def sets_attribute(x: torch.Tensor) -> torch.Tensor:
+        counter.calls = counter.calls + 1
+        return x.sin().sum()
+
+    def sets_item(x: torch.Tensor) -> torch.Tensor:
+        counter.seen["x"] = x.dim()
+        return x.sin().sum()
+
+    def appends_to_global(x: torch.Tensor) -> torch.Tensor:
+        _GLOBAL_LOG.append(x.dim())
+        return x.sin().sum()
+
+    return {"appends": appends, "sets_attribute": sets_attribute, "sets_item": sets_item, "global": appends_to_global}
+
+
+@pytest.mark.parametrize("kind", list(_side_effects()))
+def test_a_python_side_effect_warns_once_naming_what_changed(kind: str) -> None:
+    """The change happens once per trace, not per call: a RematStateWarning says so, naming
+    the object, at the function's line, once per region."""
+    fn = _side_effects()[kind]
+    r = remat(fn)
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    with pytest.warns(remat_package.RematStateWarning, match=r"changes `.*` \(.*\) while traced") as caught:
+        r(x).backward()
+    assert all(w.filename == __file__ for w in caught)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", remat_package.RematStateWarning)
+        r(x).backward()  # traced already: no new warning
+        r(x[:2]).backward()  # a new trace of the same region: warned already
+
+
+def test_a_function_without_side_effects_does_not_warn() -> None:
+    state = {"scale": 2.0}
+    layer = torch.nn.Linear(3, 3, dtype=D)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return layer(x * state["scale"]).sum()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", remat_package.RematStateWarning)
+        remat(f)(torch.randn(2, 3, dtype=D, requires_grad=True)).backward()
+
+
+# --- no stand-in escapes ----------------------------------------------------------------
+
+
+class _Holder:
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+def test_a_computed_tensor_stored_where_the_caller_sees_it_is_refused() -> None:
+    box: dict[str, torch.Tensor] = {}
+
+    def stores(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin()
+        box["h"] = h
+        return h.sum()
+
+    with pytest.raises(RematTraceError, match=r"stores a tensor it computes in `box\['h'\]`|stores a tensor it computes in `box.h`"):
+        remat(stores)(torch.randn(3, dtype=D, requires_grad=True))
+
+
+def test_an_output_object_optree_does_not_flatten_is_refused() -> None:
+    def returns_holder(x: torch.Tensor) -> Any:
+        return x.sin(), _Holder(x.cos())
+
+    with pytest.raises(RematTraceError, match=r"output 1 is a _Holder holding a tensor.*register_pytree_node"):
+        remat(returns_holder)(torch.randn(3, dtype=D, requires_grad=True))
