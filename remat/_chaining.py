@@ -7,8 +7,8 @@ split at those outputs: the first part computes them, the rest reads them as inp
 Gradients are unchanged (the rest sends its gradient for `y` into the first part's
 backward); the rest keeps `y` when its backward needs it, as plain autograd does. An
 intermediate both parts read is computed by each (values are deterministic, so equal).
-A random op both parts would need, or random ops whose draws the split would reorder,
-leave the region whole (then `grad(z, y)` fails as before, see the README).
+A random op both parts would need, random ops whose draws the split would reorder, or
+a function that reseeds a generator leave the region whole (then `grad(z, y)` fails as before, see the README).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any, Iterable, Protocol, Sequence
 import torch
 
 from ._nodes import is_random
+from ._randomness import steps_of
 from ._torch_internals import graph_module
 from ._tracing import Captured
 
@@ -64,7 +65,7 @@ def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[int]]
     live = _ancestors(outs, stop=set())  # what the outputs are computed from (not a dead detach)
     cuts = {
         outs[j]
-        for j in range(captured.n_outputs)
+        for j in range(captured.n_outputs - captured.n_hook_outputs)  # what hooks are given does not split
         if isinstance(outs[j], torch.fx.Node)
         and outs[j].op != "placeholder"
         and captured.output_differentiable[j]
@@ -79,8 +80,8 @@ def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[int]]
 
     first_nodes = _ancestors([outs[j] for j in first_positions], stop=set())
     rest_nodes = _ancestors([outs[j] for j in rest_positions], stop=set(cut_nodes))
-    if not _random_draws_keep_their_order(graph, first_nodes, rest_nodes):
-        return None
+    if not _random_draws_keep_their_order(graph, first_nodes, rest_nodes) or steps_of(graph.nodes, captured.rng_end):
+        return None  # (the function's own reseeding is replayed by one forward graph)
 
     first_gm = _subgraph(captured.graph, first_nodes, [outs[j] for j in first_positions], [])
     rest_gm = _subgraph(captured.graph, rest_nodes, [outs[j] for j in rest_positions], cut_nodes)

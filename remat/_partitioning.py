@@ -41,7 +41,17 @@ from ._passes import (
     read_mutated_inputs_from_copies,
     shape_only_factories,
 )
-from ._randomness import RNG_KEY, capture_rng_state, replay_random, state_shape
+from ._randomness import (
+    RNG_KEY,
+    Source,
+    capture_rng_state,
+    generator_state,
+    replay_random,
+    set_generator_state,
+    recorded_draws,
+    state_shape,
+    steps_of,
+)
 from ._torch_internals import graph_module
 from ._tracing import Scope
 
@@ -116,6 +126,7 @@ def partition(
     mutated: Sequence[int] = (),
     budget: Budget | None = None,
     offload: bool = True,
+    rng_end: dict[str, Source] | None = None,
 ) -> Partition:
     """Split `joint` (inputs, tangents -> outputs, gradients) into forward and backward.
 
@@ -125,6 +136,7 @@ def partition(
     `mutated` are updated after the forward, so backward may only read copies of them.
     With a `budget`, what its region keeps is chosen to fit it (see _budget.py). Values
     a policy answers `Offload` for wait in host memory (see _offloading.py) when `offload`.
+    `rng_end`: where the function left each generator's stream (see _randomness.py).
     """
     graph = joint.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -190,18 +202,26 @@ def partition(
     }
 
     def build_forward(lowered: bool) -> torch.fx.Graph:
-        """Lowered: also snapshot rng states for replays and, in debug mode, output the
-        values backward will recompute, so it can compare."""
+        """Lowered: also replay the function's own reseeding, snapshot rng states for
+        replays and, in debug mode, output the values backward will recompute, so it can
+        compare."""
         forward_graph = torch.fx.Graph()
         env: dict[torch.fx.Node, torch.fx.Node] = {}
         states: list[torch.fx.Node] = []
         for node in inputs:
             env[node] = forward_graph.node_copy(node)
+        streams = _Streams(joint, forward_graph, [n for n in graph.nodes if n in keep_forward], rng_end) if lowered else None
         for node in graph.nodes:
             if node in keep_forward:
+                if streams is not None:
+                    streams.before(node)
                 if lowered and node in replayed:
                     states.append(_capture_state(forward_graph, node, env))
                 env[node] = forward_graph.node_copy(node, env.__getitem__)
+                if streams is not None:
+                    streams.after(node)
+        if streams is not None:
+            streams.at_end()
         forward_outputs = [
             _distinct_output(forward_graph, env[o], o in input_set or outs.index(o) < i) for i, o in enumerate(outs)
         ]
@@ -301,6 +321,58 @@ def _replay(
     new = graph.call_function(replay_random, (state, _device_of(node), target, *args), dict(kwargs))
     new.meta = dict(node.meta)
     return new
+
+
+class _Streams:
+    """Builds the forward graph's steps that replay what the function's Python did to the
+    generators (`_randomness.stream_steps`): a generator put at a seeded state, or at one
+    read at the start or right after a draw, before the draws that drew from it and when
+    the function returned."""
+
+    def __init__(
+        self, root: torch.fx.GraphModule, graph: torch.fx.Graph, forward: list[torch.fx.Node], end: dict[str, Source] | None
+    ) -> None:
+        self.root, self.graph = root, graph
+        draws = recorded_draws(forward)
+        self.draw_of = {node: draw for draw, (node, _, _) in draws.items()}
+        self.key_of = {draw: key for draw, (_, key, _) in draws.items()}
+        self.steps = steps_of(forward, end or {})
+        self.read: dict[Any, torch.fx.Node] = {}  # (None, generator) or draw -> the state read there
+        self.seeded = 0  # seeded states held by the graph
+        if self.steps is not None:
+            starts = {key for key, source in [*self.steps.before.values(), *self.steps.at_end.items()] if source == ("start",)}
+            for key in sorted(starts):
+                self.read[(None, key)] = self._call(generator_state, key)
+
+    def _call(self, fn: Callable[..., Any], *args: Any) -> torch.fx.Node:
+        node = self.graph.call_function(fn, args)
+        if fn is generator_state:
+            node.meta["val"] = torch.empty(state_shape(torch.device(args[0])), dtype=torch.uint8, device="meta")
+        return node
+
+    def _put(self, key: str, source: Source) -> None:
+        if source[0] == "seeded":
+            name = f"_remat_seeded_state_{self.seeded}"
+            self.seeded += 1
+            setattr(self.root, name, source[1])
+            state = self.graph.get_attr(name)
+        else:
+            state = self.read[(None, key) if source[0] == "start" else source[1]]
+        self._call(set_generator_state, key, state)
+
+    def before(self, node: torch.fx.Node) -> None:
+        draw = self.draw_of.get(node)
+        if self.steps is not None and draw in self.steps.before:
+            self._put(*self.steps.before[draw])
+
+    def after(self, node: torch.fx.Node) -> None:
+        draw = self.draw_of.get(node)
+        if self.steps is not None and draw is not None and draw in self.steps.read_after:
+            self.read[draw] = self._call(generator_state, self.key_of[draw])
+
+    def at_end(self) -> None:
+        for key, source in sorted(self.steps.at_end.items()) if self.steps is not None else ():
+            self._put(key, source)
 
 
 def _describe_recompute(node: torch.fx.Node) -> RecomputedOp:

@@ -24,6 +24,7 @@ from ._compiling import (
     selective_context,
 )
 from ._executing import Plan
+from ._hooks import call_hooks
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
 from ._sharing import graph_signature, share_plan, shared_plan
@@ -83,6 +84,12 @@ def without_remat() -> Iterator[None]:
     """Run every remat region's function as it is: plain autograd, for comparison."""
     with _overriding(_NO_REMAT):
         yield
+
+
+def _hooks_as_traced(plan: Runnable | None) -> bool:
+    """Whether the modules a plan's trace called have the hooks they had then."""
+    hooks = plan.captured.hooks if plan is not None else None
+    return hooks is None or hooks.current()
 
 
 def region_name(fn: Callable[..., Any]) -> str:
@@ -204,12 +211,14 @@ class Rematerialized:
         plans = self._plans if override is None else self._plans_for(policy)
         call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames, self._captures)
         plan = plans.lookup(call.key, call.storage_offsets)
+        if plan is not MISSING and not _hooks_as_traced(plan):
+            plan = MISSING
         if plan is not MISSING:
             self._hits += 1
         else:
             with TRACE_LOCK:  # one trace at a time in the process; another thread may have built it
                 plan = plans.lookup(call.key, call.storage_offsets)
-                if plan is MISSING:
+                if plan is MISSING or not _hooks_as_traced(plan):
                     plan, traced = self._build(call, policy, plans)
                     offsets = call.storage_offsets() if plan is not None and plan.captured.reads_storage_offsets else None
                     plans.store(call.key, call.key_labels(), plan, offsets, traced)
@@ -221,6 +230,9 @@ class Rematerialized:
         results = plan.apply(inputs)
         if captured.mutated:
             self._apply_mutations(plan, inputs, results)
+        if captured.hook_calls:
+            hooked = results[captured.n_outputs - captured.n_hook_outputs : captured.n_outputs]
+            call_hooks(captured.hook_calls, hooked, self.region)
         if captured.n_outputs == 1 and captured.out_spec.is_leaf():  # one tensor: no tree to rebuild
             return results[0]
         return self._rebuild_outputs(plan, results)
@@ -289,7 +301,7 @@ class Rematerialized:
         decide = policy_decider(captured.scopes)
         part = partition(
             joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=updated,
-            budget=budget_of(captured.scopes), offload=not nested_gradients(),
+            budget=budget_of(captured.scopes), offload=not nested_gradients(), rng_end=captured.rng_end,
         )
         plan = Plan(captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region)
         if nested_gradients():
@@ -385,6 +397,13 @@ class RematerializedModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.rematerialized(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Transparent: global module hooks fire for the wrapped module (called inside), not
+        for this wrapper too; hooks registered on the wrapper itself run as on any module."""
+        if self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks:
+            return super().__call__(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
     def train(self, mode: bool = True) -> RematerializedModule:
         self.wrapped_module.train(mode)

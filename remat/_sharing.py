@@ -95,6 +95,7 @@ def graph_signature(captured: Captured) -> tuple[Any, ...] | None:
                 _canonical(node.meta.get("custom", {}), index),
             ))
         outputs = _canonical(captured.out_static, {})
+        streams = _canonical(captured.rng_end, {})
     except _Unshareable:
         return None
     return (
@@ -102,7 +103,7 @@ def graph_signature(captured: Captured) -> tuple[Any, ...] | None:
         captured.n_explicit, tuple(captured.lifted), len(captured.by_reference), captured.out_spec, outputs,
         captured.n_outputs, tuple(captured.mutated), tuple(captured.input_needs_grad),
         tuple(captured.output_differentiable), captured.reads_storage_offsets,
-        tuple(scope.policy for scope in captured.scopes),
+        tuple(scope.policy for scope in captured.scopes), streams,
     )
 
 

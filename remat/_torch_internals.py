@@ -465,3 +465,37 @@ def transforms_active_while_compiling() -> bool:
     """Whether a torch.func transform is active, asked while dynamo traces (dynamo cannot
     call the functorch builtin, so the answer is taken once, at trace time; torch 2.13)."""
     return transforms_active()
+
+
+# --- module hooks (torch 2.13 and 2.11: nn/modules/module.py, utils/hooks.py) -------------
+
+GLOBAL_FORWARD_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks")
+
+
+def global_forward_hook_table(name: str) -> dict[int, Any]:
+    """One of the tables `register_module_forward_pre_hook` / `..._forward_hook` fill."""
+    import torch.nn.modules.module as module
+
+    return getattr(module, name)  # type: ignore[no-any-return]
+
+
+def hook_registrations() -> int:
+    """torch's count of hook handles made so far (every module and tensor hook takes one):
+    unchanged since a moment, no hook was registered since."""
+    return int(torch.utils.hooks.RemovableHandle.next_id)
+
+
+@contextlib.contextmanager
+def calling_modules_through(wrapper: Callable[..., Any]) -> Iterator[None]:
+    """Within: every `module(...)` runs `wrapper(Module._call_impl, module, *args, **kwargs)`,
+    where `_call_impl` is what runs a module's hooks around its forward."""
+    original = torch.nn.Module._call_impl
+
+    def call_impl(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return wrapper(original, self, *args, **kwargs)
+
+    torch.nn.Module._call_impl = call_impl  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module._call_impl = original  # type: ignore[method-assign]

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._arguments import Call, RematStateWarning, needs_grad
+from ._hooks import HookCall, HookRecorder, HookSet
 from ._reachable import Snapshot, roots_of, stand_in_path
 from ._errors import RematTraceError
 from ._failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_line
@@ -38,6 +39,7 @@ from ._nodes import (
     BACKWARD_KEY,
     DIFFERENTIABLE_KEY,
     GRAD_OFF_KEY,
+    RNG_STREAM_KEY,
     SCOPE_KEY,
     SOURCE_KEY,
     USER_DETACH_KEY,
@@ -54,7 +56,7 @@ from ._passes import (
     writes_in_place,
     writes_out_of_place,
 )
-from ._randomness import RNG_KEY, global_generator_states, restore_global_generator_states
+from ._randomness import RNG_KEY, DrawTracker, Source
 from ._recording import active_recorder, record, traced_node
 from ._torch_internals import (
     autograd_engine_running,
@@ -186,11 +188,11 @@ def refuse_custom_function(value: Any) -> None:
         raise CustomFunctionUsed(function)
 
 
-def _annotating(guard: _GuardTracing) -> contextlib.AbstractContextManager[Any]:
+def _annotating(guard: _GuardTracing, draws: DrawTracker) -> contextlib.AbstractContextManager[Any]:
     """While the user's function runs (called from the function that calls it, where the
     user's lines end): every op it runs gets its user line and scope written on its nodes,
     by remat's recorder when it records the trace, else by a mode of its own above make_fx's."""
-    annotator = _Annotator(sys._getframe(1).f_code, guard)
+    annotator = _Annotator(sys._getframe(1).f_code, guard, draws)
     recorder = active_recorder()
     return recorder.reporting_ops(annotator) if recorder is not None else _AnnotatingMode(annotator)
 
@@ -199,9 +201,11 @@ class _Annotator:
     """Writes on the nodes of each op the function runs the user's file:line and, inside a
     nested region, its scope."""
 
-    def __init__(self, boundary: types.CodeType, guard: _GuardTracing) -> None:
+    def __init__(self, boundary: types.CodeType, guard: _GuardTracing, draws: DrawTracker) -> None:
         self.boundary = boundary  # the frame that calls the user's function: user lines end there
         self.guard = guard  # knows the grad mode of the user's call that runs the op
+        self.draws = draws
+        self.scanned: torch.fx.Node | None = None  # the last node looked at for random draws
 
     def __call__(self, nodes: list[torch.fx.Node | None]) -> None:
         if not nodes:  # a size or device query (the autograd engine and fake tensors make many)
@@ -220,6 +224,26 @@ class _Annotator:
                 annotate(node, BACKWARD_KEY, torch.is_grad_enabled(), producer_too=False)
             elif grad_off:
                 annotate(node, GRAD_OFF_KEY, True)
+        self._note_draws(next((n.graph for n in nodes if n is not None), None))
+
+    def _note_draws(self, graph: torch.fx.Graph | None) -> None:
+        """Each random op recorded since the last op (decompositions' included) gets the
+        stream it draws from, read off the generators now, before the function's next line."""
+        if graph is None:
+            return
+        node = self.scanned.next if self.scanned is not None else next(iter(graph.nodes))
+        while node.op != "root":
+            random = node.op == "call_function" and node.target is not operator.getitem and is_random(node)
+            if random and "generator" not in node.kwargs and "val" in node.meta:
+                drawn = self.draws.drew(_value_device(node.meta["val"]))
+                if drawn is not None:
+                    annotate(node, RNG_STREAM_KEY, drawn, producer_too=False)
+            self.scanned = node
+            node = node.next
+
+
+def _value_device(value: Any) -> torch.device:
+    return (value[0] if isinstance(value, (tuple, list)) else value).device
 
 
 class _AnnotatingMode(TorchDispatchMode):
@@ -254,6 +278,10 @@ class Captured:
     input_values: list[Any] = field(default_factory=list)  # fake example of each graph input
     reads_storage_offsets: bool = False  # as_strided reads an input: plans are per storage offset
     output_differentiable: list[bool] = field(default_factory=list)  # per tensor output: tracked by autograd
+    rng_end: dict[str, Source] = field(default_factory=dict)  # each generator's stream when the function returns
+    n_hook_outputs: int = 0  # the last of the n_outputs: what module hooks are given (`_hooks`)
+    hook_calls: list[HookCall] = field(default_factory=list)
+    hooks: HookSet | None = None  # the hooks of the modules the trace called
 
     def graph_inputs(self, call: Call) -> list[torch.Tensor]:
         """The call's tensors in this graph's input order: its arguments, the captured tensors
@@ -304,14 +332,14 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         for i, t in zip(slotted, tensors[n_explicit:]):
             replacements[i] = t
         guard = _GuardTracing(under_transform)
-        with call.substituted(replacements), _annotating(guard), guard:
+        with call.substituted(replacements), _annotating(guard, draws), guard, hooks.recording():
             out = fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten(out)
         for leaf in leaves:
             refuse_custom_function(leaf)
         out_info["spec"] = spec
         out_info["static"] = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-        tensors_out = [x for x in leaves if isinstance(x, torch.Tensor)]
+        tensors_out = [x for x in leaves if isinstance(x, torch.Tensor)] + hooks.outputs()  # what the hooks are given
         out_info["differentiable"] = [x.requires_grad for x in tensors_out]  # as eager autograd says
         return tensors_out
 
@@ -322,22 +350,27 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         # Fakes need grad where the real tensors do: composite ops choose their lowering by
         # it (embedding_bag's forward-only kernel has no derivative).
         fakes = [_fake_like(mode, t).requires_grad_(needs_grad(t)) for t in originals]
-        generators = global_generator_states()
         roots = roots_of(fn, call.objects())
         before = Snapshot.take(roots)
+        draws = DrawTracker()
+        hooks = HookRecorder()
 
-        def forget_nested_scopes() -> None:  # met by a run the recorder gave up on
+        def restart() -> None:  # what a run the recorder gave up on noted
             del scopes[1:]
+            draws.start()
+            hooks.start()
 
         try:
-            gm = _recorded_or_traced(flat_fn, fakes, mode, restart=forget_nested_scopes)
+            gm = _recorded_or_traced(flat_fn, fakes, mode, restart=restart)
+            rng_end = draws.end()
         except Exception as error:
             failure = trace_failure(fn_name, error)
             if failure is error:  # the user's own exception (or torch's, as eager would raise)
                 raise
             raise failure from error
-        _refuse_reseeding(fn_name, generators)
-        _refuse_stand_ins(fn_name, roots, out_info["static"])
+        finally:
+            draws.restore()
+        _refuse_stand_ins(fn_name, roots, out_info["static"], hooks.calls)
         _warn_changes(fn_name, fn, before)
     _reject_data_dependent_ops(gm, fn_name)
     _reject_grad_free_writes(gm, fn_name, [f.requires_grad for f in fakes])
@@ -350,11 +383,15 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         input_paths=list(call.tensor_paths),
         out_spec=out_info["spec"],
         out_static=out_info["static"],
-        n_outputs=sum(1 for x in out_info["static"] if x is None),
+        n_outputs=sum(1 for x in out_info["static"] if x is None) + len(hooks.tensors),
+        n_hook_outputs=len(hooks.tensors),
+        hook_calls=hooks.calls,
+        hooks=hooks.hook_set() if hooks.seen else None,
         output_differentiable=out_info["differentiable"],
         mutated=[],
         input_needs_grad=[needs_grad(t) for t in call.tensors],
         scopes=scopes,
+        rng_end=rng_end,
     )
     _keep_used_captured(captured, call, slotted)
     _lift_constants(captured, call, fn_name, under_transform)
@@ -369,22 +406,6 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     captured.reads_storage_offsets = _reads_storage_offsets(gm)
     gm.recompile()
     return captured
-
-
-def _refuse_reseeding(fn_name: str, before: list[torch.Tensor]) -> None:
-    """Random ops on fake tensors draw nothing; if the generators moved while tracing, the
-    function seeds or sets them in Python (`torch.manual_seed`), which a graph cannot
-    repeat: every later call would draw from wherever the stream happens to be."""
-    after = global_generator_states()
-    if len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before)):
-        return
-    restore_global_generator_states(before)
-    raise RematTraceError(
-        f"remat could not trace `{fn_name}`: it changes the global random generator's state "
-        "(torch.manual_seed, set_rng_state, or a draw on a real tensor) while it runs. A traced "
-        "graph cannot repeat that. Seed before calling the remat'd function, or pass a "
-        "torch.Generator to the random ops."
-    )
 
 
 _AS_STRIDED = {torch.ops.aten.as_strided, torch.ops.aten.as_strided_copy, torch.ops.aten.as_strided_scatter}
@@ -403,7 +424,7 @@ def _reads_storage_offsets(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _refuse_stand_ins(fn_name: str, roots: list[tuple[str, Any]], out_static: list[Any]) -> None:
+def _refuse_stand_ins(fn_name: str, roots: list[tuple[str, Any]], out_static: list[Any], hook_calls: list[HookCall]) -> None:
     """A function that stores a value it computes in an object it was given or closes over
     (a key/value cache's `update`, `self.last_attention = a`), or returns one inside an
     object optree does not flatten, would leave tracing stand-ins there: refuse, naming where."""
@@ -415,6 +436,12 @@ def _refuse_stand_ins(fn_name: str, roots: list[tuple[str, Any]], out_static: li
             "would hold stand-ins, not values. Return the value instead of storing it (for Hugging "
             "Face models in training: `use_cache=False`, as their own gradient checkpointing sets)."
         )
+    for hook_call in hook_calls:
+        if stand_in_path([("", hook_call.leaves)]) is not None:
+            raise RematTraceError(
+                f"remat could not trace `{fn_name}`: the {hook_call.label} is given a size computed while "
+                "traced, which remat cannot pass on to it as a value."
+            )
     for k, leaf in enumerate(out_static):
         if leaf is not None and stand_in_path([("", leaf)]) is not None:
             raise RematTraceError(

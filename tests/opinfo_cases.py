@@ -27,9 +27,8 @@ from remat import policies as P
 from remat._torch_internals import torch_at_least
 
 D = torch.float64
-# OpInfo wraps random ops in `wrapper_set_seed`, which reseeds inside the function. remat
-# refuses reseeding inside a region (a graph cannot repeat it); the cases seed outside.
-cmi.wrapper_set_seed = lambda op, *args, **kwargs: op(*args, **kwargs)
+# OpInfo's samples run as torch ships them: random ops through its `wrapper_set_seed`, which
+# reseeds inside the function (in `freeze_rng_state`); remat replays that reseeding.
 
 def offload_everything(op: Any, *args: Any, **kwargs: Any) -> Any:
     """Every kept value waits in host memory (on CPU the host is both sides)."""

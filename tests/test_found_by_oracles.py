@@ -275,21 +275,6 @@ def test_value_dependent_ops_are_refused_naming_op_line_and_fix(name: str) -> No
     assert "test_found_by_oracles.py:" in str(error.value) and "outside the remat'd function" in str(error.value)
 
 
-def test_reseeding_inside_a_region_is_refused() -> None:
-    """A graph cannot repeat Python's `torch.manual_seed`; the stream is left as it was."""
-    def f(x: torch.Tensor) -> torch.Tensor:
-        torch.manual_seed(3)
-        return F.dropout(x, 0.5).sum()
-
-    x = torch.randn(4, dtype=D, requires_grad=True)
-    torch.manual_seed(0)
-    expected = torch.rand(2)
-    torch.manual_seed(0)
-    with pytest.raises(RematTraceError, match="manual_seed"):
-        remat(f)(x)
-    assert torch.equal(torch.rand(2), expected)
-
-
 def test_sparse_inputs_are_refused_naming_the_argument() -> None:
     s = torch.eye(3, dtype=D).to_sparse()
     with pytest.raises(RematError, match=r"argument s is a torch.sparse_coo tensor.*to_dense"):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.testing._internal.common_utils import freeze_rng_state
 
 import remat as remat_package
 from remat import RematTraceError, remat
@@ -298,3 +299,226 @@ def test_an_output_object_optree_does_not_flatten_is_refused() -> None:
 
     with pytest.raises(RematTraceError, match=r"output 1 is a _Holder holding a tensor.*register_pytree_node"):
         remat(returns_holder)(torch.randn(3, dtype=D, requires_grad=True))
+
+
+# --- generator state --------------------------------------------------------------------
+
+
+def _fork_and_reseed(x: torch.Tensor) -> torch.Tensor:
+    a = F.dropout(x, 0.5)
+    with torch.random.fork_rng():
+        torch.manual_seed(7)
+        b = F.dropout(x, 0.5) * torch.rand_like(x)
+    return (a * b * torch.rand_like(x)).sin()
+
+
+def _freeze_and_reseed(x: torch.Tensor) -> torch.Tensor:
+    """What OpInfo's `wrapper_set_seed` does around every random op it tests."""
+    with freeze_rng_state():
+        torch.manual_seed(42)
+        return F.dropout(x, 0.3) * torch.rand_like(x)
+
+
+def _same_mask_twice(x: torch.Tensor) -> torch.Tensor:
+    state = torch.get_rng_state()
+    a = F.dropout(x, 0.5)
+    torch.set_rng_state(state)
+    return a * F.dropout(x.cos(), 0.5) + torch.rand_like(x)
+
+
+def _reseed_without_restore(x: torch.Tensor) -> torch.Tensor:
+    y = x * torch.rand_like(x)
+    torch.manual_seed(3)
+    return y * torch.rand_like(x)
+
+
+def _reseed_at_the_end(x: torch.Tensor) -> torch.Tensor:
+    y = x.exp() * torch.rand_like(x)
+    torch.manual_seed(5)
+    return y
+
+
+RESEEDING = {
+    "fork_rng": _fork_and_reseed,
+    "freeze_rng_state": _freeze_and_reseed,
+    "same_mask_twice": _same_mask_twice,
+    "without_restore": _reseed_without_restore,
+    "at_the_end": _reseed_at_the_end,
+}
+
+
+def _seeded_runs(fn: Fn, transform: str) -> list[Any]:
+    """Two calls, each from the same seed: values, gradients and the stream afterwards."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        x = torch.randn(4, 5, dtype=D)
+        if transform == "backward":
+            leaf = x.clone().requires_grad_()
+            out = fn(leaf)
+            (out**2).sum().backward()
+            result: Any = (out.detach(), leaf.grad)
+        elif transform == "grad":
+            result = torch.func.grad_and_value(lambda x: (fn(x) ** 2).sum())(x)
+        else:
+            xs = torch.stack([x, x.cos(), -x])
+            result = torch.func.vmap(torch.func.grad(lambda x: (fn(x) ** 2).sum()), randomness=transform)(xs)
+        runs.append((result, torch.rand(3)))
+    return runs
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad", "different", "same"])
+@pytest.mark.parametrize("policy_name", ["none", "everything"])
+@pytest.mark.parametrize("fn_name", list(RESEEDING))
+def test_reseeding_inside_a_region_is_replayed(fn_name: str, policy_name: str, transform: str) -> None:
+    """A draw after `manual_seed`, `fork_rng`, `freeze_rng_state` or `set_rng_state` of a
+    state read inside draws what eager code draws, recompute too, and the stream after the
+    call is where eager code leaves it."""
+    fn = RESEEDING[fn_name]
+    region = remat(fn, policy=CHANNEL_POLICIES[policy_name])
+    assert_close(_seeded_runs(region, transform), _seeded_runs(fn, transform))
+
+
+def test_a_generator_state_set_from_outside_is_refused() -> None:
+    """A state saved outside the region and set inside: a graph would replay the state it
+    saw when traced on every call, whatever the caller saved since."""
+    saved = (torch.get_rng_state(),)  # in a tuple: read as it is, not traced as an input
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        torch.set_rng_state(saved[0])
+        return x * torch.rand_like(x)
+
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    torch.manual_seed(0)
+    expected = torch.rand(2)
+    torch.manual_seed(0)
+    with pytest.raises(RematTraceError, match=r"a state that no seed gives.*torch.manual_seed\(n\)"):
+        remat(f)(x)
+    assert torch.equal(torch.rand(2), expected)  # the trace left the stream as it was
+
+
+# --- module hooks -----------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(4, 6, dtype=D)
+        self.act = torch.nn.Tanh()
+        self.down = torch.nn.Linear(6, 4, dtype=D)
+        self.drop = torch.nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.down(self.act(self.up(x))))
+
+
+def _hooked_block(kind: str) -> tuple[_Block, list[Any], Callable[[], None]]:
+    """A block whose submodules record what their hooks are given, in order."""
+    torch.manual_seed(0)
+    block = _Block()
+    seen: list[Any] = []
+    handles = []
+    if kind == "forward":
+        handles.append(block.up.register_forward_hook(lambda m, args, out: seen.append(("up", out))))
+        handles.append(block.drop.register_forward_hook(lambda m, args, out: seen.append(("drop", args[0], out))))
+    elif kind == "pre":
+        handles.append(block.down.register_forward_pre_hook(lambda m, args: seen.append(("down", args[0]))))
+    elif kind == "kwargs":
+        handles.append(block.act.register_forward_pre_hook(lambda m, args, kwargs: seen.append(("pre", args[0], kwargs)), with_kwargs=True))
+        handles.append(block.act.register_forward_hook(lambda m, args, kwargs, out: seen.append(("act", out)), with_kwargs=True))
+    elif kind == "global":
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def record_linear(m: torch.nn.Module, args: Any, out: Any) -> None:
+            if isinstance(m, torch.nn.Linear):
+                seen.append(("linear", out))
+
+        handles.append(register_module_forward_hook(record_linear))
+        handles.append(register_module_forward_pre_hook(lambda m, args: seen.append(("called", type(m).__name__))))
+    return block, seen, lambda: [h.remove() for h in handles]
+
+
+def _hooked_runs(kind: str, use_remat: bool, policy_name: str) -> Any:
+    """Three calls; each loss reads what the hooks collected, so gradients flow through it."""
+    block, seen, remove = _hooked_block(kind)
+    region = remat(block, policy=CHANNEL_POLICIES[policy_name]) if use_remat else block
+    x = torch.randn(3, 4, dtype=D, requires_grad=True)
+    runs = []
+    try:
+        for _ in range(3):
+            torch.manual_seed(1)
+            del seen[:]
+            out = region(x)
+            collected = [t for entry in seen for t in entry[1:] if isinstance(t, torch.Tensor)]
+            assert all(type(t) is torch.Tensor for t in collected), [type(t) for t in collected]
+            loss = out.pow(2).sum() + sum((t * t.cos()).sum() for t in collected)
+            grads = torch.autograd.grad(loss, [x, *block.parameters()])
+            labels = [tuple(e if isinstance(e, str) else type(e).__name__ for e in entry) for entry in seen]
+            runs.append((out.detach(), [t.detach() for t in collected], labels, grads, torch.rand(2)))
+    finally:
+        remove()
+    return runs
+
+
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+@pytest.mark.parametrize("kind", ["forward", "pre", "kwargs", "global"])
+def test_module_hooks_inside_a_region_run_on_every_call_with_real_values(kind: str, policy_name: str) -> None:
+    """Forward and pre-hooks of the modules a region calls (their own and global ones) run
+    on every call, in eager order, given real tensors tracked by autograd."""
+    assert_close(_hooked_runs(kind, True, policy_name), _hooked_runs(kind, False, policy_name))
+
+
+def test_module_hooks_under_torch_func_grad() -> None:
+    """Under torch.func.grad what a hook collects is part of the differentiated function."""
+    def loss_of(use_remat: bool) -> Any:
+        block, seen, remove = _hooked_block("forward")
+        region = remat(block, policy=P.nothing_saveable) if use_remat else block
+        params = dict(block.named_parameters())
+
+        def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            del seen[:]
+            out = torch.func.functional_call(region, p, (x,))
+            return out.sum() + sum(entry[1].pow(2).sum() for entry in seen)
+
+        torch.manual_seed(1)
+        try:
+            return [torch.func.grad(loss)(params, torch.randn(3, 4, dtype=D)) for _ in range(2)]
+        finally:
+            remove()
+
+    assert_close(loss_of(True), loss_of(False))
+
+
+def test_a_hook_registered_or_removed_after_a_call_is_seen() -> None:
+    block, seen, remove = _hooked_block("none")
+    region = remat(block)
+    x = torch.randn(3, 4, dtype=D, requires_grad=True)
+    region(x).sum().backward()
+    handle = block.down.register_forward_hook(lambda m, args, out: seen.append(out))
+    region(x).sum().backward()
+    assert len(seen) == 1 and type(seen[0]) is torch.Tensor
+    handle.remove()
+    region(x).sum().backward()
+    assert len(seen) == 1
+
+
+def test_a_hook_that_replaces_the_output_is_refused() -> None:
+    block, _, _ = _hooked_block("none")
+    block.act.register_forward_hook(lambda m, args, out: out * 2)
+    with pytest.raises(remat_package.RematError, match=r"forward hook `.*<lambda>` on Tanh returned a value"):
+        remat(block)(torch.randn(3, 4, dtype=D, requires_grad=True))
+
+
+def test_a_hook_given_a_tensor_changed_in_place_afterwards_is_refused() -> None:
+    """The hook runs after the graph, where the value it was given is gone."""
+    seen: list[torch.Tensor] = []
+    layer = torch.nn.Linear(4, 4, dtype=D)
+    layer.register_forward_hook(lambda m, args, out: seen.append(out.sum()))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        out = layer(x)
+        out += 1
+        return out.relu()
+
+    with pytest.raises(RematTraceError, match=r"forward hook .* on Linear is given a tensor that the function then changes in place"):
+        remat(f)(torch.randn(3, 4, dtype=D, requires_grad=True))
