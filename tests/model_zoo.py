@@ -93,6 +93,46 @@ def bert(attn_implementation: str) -> nn.Module:
     return _hf(config, BertForMaskedLM, attn_implementation)
 
 
+def mistral(attn_implementation: str) -> nn.Module:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=2 * SEQ,
+        attention_dropout=DROPOUT, sliding_window=SEQ // 2, use_cache=False,
+    )
+    return _hf(config, MistralForCausalLM, attn_implementation)
+
+
+# The MoE models route with `output_router_logits=True` (their load-balancing loss, as they
+# train) and router jitter on. Their experts run as "batched_mm": transformers' "eager" loop
+# over `nonzero()` of the routing mask has shapes that depend on values.
+def mixtral(attn_implementation: str) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=2 * SEQ,
+        num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1, attention_dropout=DROPOUT,
+        output_router_logits=True, router_aux_loss_coef=0.5, use_cache=False,
+    )
+    config._experts_implementation = "batched_mm"
+    return _hf(config, MixtralForCausalLM, attn_implementation)
+
+
+def qwen3_moe(attn_implementation: str) -> nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, moe_intermediate_size=INTERMEDIATE // 2,
+        num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
+        max_position_embeddings=2 * SEQ, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+        attention_dropout=DROPOUT, output_router_logits=True, router_aux_loss_coef=0.5, use_cache=False,
+    )
+    config._experts_implementation = "batched_mm"
+    return _hf(config, Qwen3MoeForCausalLM, attn_implementation)
+
+
 def _tokens(n: int) -> dict[str, torch.Tensor]:
     ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(n))
     return {"input_ids": ids, "labels": ids}

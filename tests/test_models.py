@@ -282,3 +282,48 @@ def test_attention_weights_returned_by_llama_eager_attention_are_differentiable(
         return [out, weights, *gradients, torch.rand(2)]
 
     assert_close(run(remat.remat(attention, policy=MODEL_POLICIES[policy_name])), run(attention))
+
+
+# ---------------------------------------------------------------- what Hugging Face records with hooks
+
+# transformers records attentions, hidden states and MoE router logits with forward hooks
+# on modules inside each layer; through checkpoint_layers those hooks run inside regions.
+RECORDING_CASES = {
+    "mixtral": (Z.mixtral, "eager", {}, "nothing"),
+    "qwen3_moe": (Z.qwen3_moe, "sdpa", {}, "dots"),
+    "llama": (Z.llama, "eager", {"output_attentions": True, "output_hidden_states": True}, "everything"),
+    "mistral": (Z.mistral, "eager", {"output_attentions": True, "output_hidden_states": True}, "dots_no_batch"),
+}
+
+
+def _recorded_steps(model: torch.nn.Module, flags: dict[str, bool]) -> list[Any]:
+    """A step at each of several sequence lengths (the last seen before): the loss with
+    what the hooks recorded in it, so every gradient flows through those values too."""
+    steps = []
+    for length in (Z.SEQ, Z.SEQ + 3, Z.SEQ):
+        ids = torch.randint(0, Z.VOCAB, (Z.BATCH, length), generator=torch.Generator().manual_seed(length))
+        model.zero_grad()
+        torch.manual_seed(SEED)
+        out = model(input_ids=ids, labels=ids, **flags)
+        recorded = [t for name in ("attentions", "hidden_states") for t in (getattr(out, name, None) or ())]
+        assert all(type(t) is torch.Tensor for t in recorded)
+        loss = out.loss + sum((t * t.cos()).sum() for t in recorded) * 1e-2
+        if getattr(out, "aux_loss", None) is not None:
+            assert type(out.aux_loss) is torch.Tensor
+            steps.append(out.aux_loss.detach())
+        loss.backward()
+        steps.append((loss.detach(), [t.detach() for t in recorded], {n: p.grad.clone() for n, p in model.named_parameters()}))
+        steps.append(torch.rand(2))
+    return steps
+
+
+@pytest.mark.parametrize("name", list(RECORDING_CASES))
+def test_what_transformers_records_with_hooks_matches_no_remat(name: str) -> None:
+    """MoE router logits and their load-balancing loss, attentions and hidden states: equal
+    to no remat at several sequence lengths, with gradients through each."""
+    build, attention, flags, policy_name = RECORDING_CASES[name]
+    torch.manual_seed(0)
+    reference = build(attention)
+    model = copy.deepcopy(reference)
+    remat.checkpoint_layers(model.model.layers, MODEL_POLICIES[policy_name])
+    assert_close(_recorded_steps(model, flags), _recorded_steps(reference, flags), rtol=1e-10, atol=1e-12)
