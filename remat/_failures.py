@@ -134,6 +134,14 @@ def trace_failure(fn_name: str, error: BaseException) -> BaseException:
     depends on values, a custom autograd.Function), else `error` itself, which the same
     call without remat raises too, with a note saying where remat met it."""
     where = describe_frame(user_frame(traceback.extract_tb(error.__traceback__)))
+    if isinstance(error, CustomFunctionUsed) and error.function.__qualname__ == "BackwardHookFunction":
+        return RematTraceError(
+            f"remat could not trace `{fn_name}`: a module it calls has a full backward hook "
+            "(`register_full_backward_hook` or `register_full_backward_pre_hook`), which runs in backward "
+            "on the module's gradients; a region's backward is one traced graph, where that hook cannot run. "
+            "Register the hook on a module outside the remat'd function (or on the region's own module "
+            "when it is `remat(module)`'s wrapper), or use a tensor hook on the region's outputs."
+        )
     if isinstance(error, CustomFunctionUsed):
         return RematTraceError(
             f"remat could not trace `{fn_name}`: it uses the custom torch.autograd.Function "

@@ -191,6 +191,19 @@ def _name(hook: Any) -> str:
     return f"`{getattr(hook, '__qualname__', None) or type(hook).__qualname__}`"
 
 
+def _unchanged(result: Any, arguments: tuple[Any, ...], pre: bool) -> bool:
+    """Whether a hook's result leaves the module's inputs or output as they are: None, or
+    what it was given (`dict.setdefault(k, out)` returns `out`)."""
+    if result is None:
+        return True
+    if not pre:
+        return result is arguments[-1]
+    args = arguments[0]
+    if isinstance(result, tuple) and len(result) == 2 and len(arguments) == 2:
+        return result[0] is args and result[1] is arguments[1]
+    return result is args or (len(args) == 1 and result is args[0])
+
+
 def call_hooks(calls: Sequence[HookCall], values: Sequence[torch.Tensor], region: str) -> None:
     """Call each recorded hook that is still registered, in order, with the real values."""
     for call in calls:
@@ -201,7 +214,7 @@ def call_hooks(calls: Sequence[HookCall], values: Sequence[torch.Tensor], region
         tensors = iter(call.outputs)
         leaves = [values[next(tensors)] if leaf is TENSOR else leaf for leaf in call.leaves]
         arguments = optree.tree_unflatten(call.spec, leaves)
-        if hook(module, *arguments) is not None:
+        if not _unchanged(hook(module, *arguments), arguments, "pre" in call.table):
             raise RematError(
                 f"remat({region}): the {call.label} returned a value, which in eager code replaces the "
                 "module's inputs or output. remat calls a region's hooks after its graph, so the replacement "

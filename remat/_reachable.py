@@ -20,7 +20,6 @@ from typing import Any, Callable, Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ._arguments import in_a_library
 from ._torch_internals import SYMBOLIC_SCALARS
 
 _DEPTH = 6
@@ -29,7 +28,9 @@ _MODULE_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
 _ATOMS = (torch.Tensor, str, bytes, int, float, complex, bool, type(None), type, types.ModuleType, torch.dtype, torch.device)
 
 
-def roots_of(fn: Callable[..., Any], objects: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+def roots_of(
+    fn: Callable[..., Any], objects: list[tuple[str, Any]], in_a_library: Callable[[types.CodeType], bool]
+) -> list[tuple[str, Any]]:
     """The objects a call of `fn` reaches, by path: its arguments' objects, its bound
     object or module, and (for code outside libraries) its closure and the globals its
     code names."""

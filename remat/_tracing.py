@@ -28,7 +28,7 @@ import torch.fx
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._arguments import Call, RematStateWarning, needs_grad
+from ._arguments import Call, RematStateWarning, in_a_library, needs_grad
 from ._hooks import HookCall, HookRecorder, HookSet
 from ._reachable import Snapshot, roots_of, stand_in_path
 from ._errors import RematTraceError
@@ -350,7 +350,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         # Fakes need grad where the real tensors do: composite ops choose their lowering by
         # it (embedding_bag's forward-only kernel has no derivative).
         fakes = [_fake_like(mode, t).requires_grad_(needs_grad(t)) for t in originals]
-        roots = roots_of(fn, call.objects())
+        roots = roots_of(fn, call.objects(), in_a_library)
         before = Snapshot.take(roots)
         draws = DrawTracker()
         hooks = HookRecorder()

@@ -522,3 +522,22 @@ def test_a_hook_given_a_tensor_changed_in_place_afterwards_is_refused() -> None:
 
     with pytest.raises(RematTraceError, match=r"forward hook .* on Linear is given a tensor that the function then changes in place"):
         remat(f)(torch.randn(3, 4, dtype=D, requires_grad=True))
+
+
+def test_a_hook_that_returns_what_it_was_given_changes_nothing() -> None:
+    """`dict.setdefault(key, out)` returns `out`: eager code keeps the output as it is."""
+    kept: dict[str, torch.Tensor] = {}
+    layer = torch.nn.Linear(4, 4, dtype=D)
+    layer.register_forward_hook(lambda m, args, out: kept.setdefault("out", out))
+    layer.register_forward_pre_hook(lambda m, args: args)
+    x = torch.randn(2, 4, dtype=D, requires_grad=True)
+    out = remat(lambda x: layer(x).tanh())(x)
+    assert_close(out, layer(x).tanh())
+    assert type(kept["out"]) is torch.Tensor
+
+
+def test_a_full_backward_hook_inside_a_region_is_refused_naming_it() -> None:
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), torch.nn.Tanh())
+    block[0].register_full_backward_hook(lambda m, grad_in, grad_out: None)
+    with pytest.raises(RematTraceError, match=r"full backward hook .* outside the remat'd function"):
+        remat(block)(torch.randn(2, 4, dtype=D, requires_grad=True))
