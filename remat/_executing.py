@@ -22,6 +22,7 @@ from ._graph_code import direct_code
 from ._layouts import run_checked
 from ._nodes import DIFFERENTIABLE_KEY
 from ._partitioning import Partition, partition
+from ._passes import without_absent_cotangents
 from ._torch_internals import apply_function, transforms_active
 from ._tracing import Captured, vjp_of_graph
 
@@ -43,6 +44,8 @@ class Plan:
     # graphs (by id) whose layouts were checked on a first run, each with what runs it next
     _checked: dict[int, Callable[..., Any]] = field(default_factory=dict, repr=False)
     extra_inputs: list[int] = field(default_factory=list)  # inputs kept only for second-order gradients
+    # backwards for calls where some outputs get no gradient, by (graph id, which cotangents are absent)
+    _pruned: dict[tuple[int, frozenset[int]], torch.fx.GraphModule] = field(default_factory=dict, repr=False)
     trace_seconds: float = 0.0  # what a plain trace of the function took (`_specializing` prices templates by it)
 
     def run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
@@ -73,8 +76,36 @@ class Plan:
         )  # the set of graphs whose layouts were checked is shared: the same graphs, inputs laid out alike
 
     def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """Run the region: its outputs, the new values of mutated inputs, then kept values."""
+        """Run the region: its outputs, the new values of mutated inputs, then kept values.
+        Inputs no output depends on differentiably enter detached, so autograd does not
+        reach back into them, as it does not in eager code."""
+        if self.unreached_inputs:
+            inputs = list(inputs)
+            for i in self.unreached_inputs:
+                inputs[i] = inputs[i].detach()
         return apply_function(RematFunction, self, inputs)  # type: ignore[no-any-return]
+
+    @functools.cached_property
+    def unreached_inputs(self) -> list[int]:
+        """Inputs that need grad but get none from any output (the backward gives None)."""
+        grads = next(n for n in self.part.backward.graph.nodes if n.op == "output").args[0]
+        return [i for i, g in zip(self.diff_inputs, grads) if g is None]
+
+    def backward_for(
+        self, gm: torch.fx.GraphModule, grads: Sequence[torch.Tensor | None], outputs: Sequence[int], like: Sequence[Any]
+    ) -> tuple[torch.fx.GraphModule, list[torch.Tensor | None]]:
+        """The backward to run for these incoming gradients (of `outputs`, in order), and its
+        cotangents: outputs that get no gradient contribute nothing, as in eager autograd
+        (`_passes.without_absent_cotangents`, built once per graph and pattern)."""
+        absent = frozenset(k for k, j in enumerate(outputs) if grads[j] is None)
+        if not absent:
+            return gm, [self.cotangent(grads, j, like) for j in outputs]
+        key = (id(gm), absent)
+        pruned = self._pruned.get(key)
+        if pruned is None:
+            cotangents = [n for n in gm.graph.nodes if n.op == "placeholder"][-len(outputs):]
+            pruned = self._pruned[key] = without_absent_cotangents(gm, cotangents, [cotangents[k] for k in absent])
+        return pruned, [None if k in absent else self.cotangent(grads, j, like) for k, j in enumerate(outputs)]
 
     def plans(self) -> list[Plan]:
         return [self]
@@ -223,12 +254,12 @@ class RematFunction(torch.autograd.Function):
                     "are), or use a policy that keeps or recomputes them."
                 )
             full, order, cotangent_outputs = plan.higher_order()
-            cotangents = [plan.cotangent(grads, j, kept) for j in cotangent_outputs]
-            input_grads = plan.run(full.backward, *[kept[k] for k in order], *cotangents)
+            backward, cotangents = plan.backward_for(full.backward, grads, cotangent_outputs, kept)
+            input_grads = plan.run(backward, *[kept[k] for k in order], *cotangents)
         else:
-            tangents = [plan.cotangent(grads, j, kept) for j in plan.float_outputs]
+            backward, tangents = plan.backward_for(plan.part.backward, grads, plan.float_outputs, kept)
             first_order = kept if len(kept) == plan.n_first_order_kept else kept[: plan.n_first_order_kept]
-            input_grads = plan.run(plan.part.backward, *first_order, *tangents)
+            input_grads = plan.run(backward, *first_order, *tangents)
         if plan.every_input_differentiable:
             return (None, *input_grads)
         result: list[torch.Tensor | None] = [None] * (len(plan.captured.input_values) + 1)

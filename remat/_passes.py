@@ -20,7 +20,7 @@ import torch
 import torch.fx
 
 from ._nodes import BACKWARD_KEY, GRAD_OFF_KEY, USER_DETACH_KEY, comes_after, is_tuple, is_view
-from ._torch_internals import new_fake_mode
+from ._torch_internals import graph_module, new_fake_mode
 
 _aten = torch.ops.aten
 
@@ -37,19 +37,16 @@ _RANDOM_FILLS = {
     _aten.geometric_.default: _aten.geometric.default,
     **{getattr(_aten.random_, name): getattr(_aten.random, name) for name in _aten.random_.overloads()},
 }
-# Ops that make a tensor whose values nobody has read: a fill may draw into a fresh one.
-_FRESH = {
-    _aten.empty_like.default, _aten.empty.memory_format, _aten.empty_strided.default, _aten.new_empty.default,
-    _aten.zeros_like.default, _aten.ones_like.default, _aten.zeros.default, _aten.ones.default,
-}
 
 
 _FUNCTIONAL_FILLS = set(_RANDOM_FILLS.values())
+_RANDOM_FROM = getattr(_aten.random, "from")  # a Python keyword
 
 
 def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
     """Before functionalization: a random fill of a fresh tensor (`empty_like(x).bernoulli_(p)`,
-    as dropout and SDPA's dropout on CPU do) draws in the fresh tensor's memory order; its
+    as dropout and SDPA's dropout on CPU do; or of any value the function computed, which
+    it overwrites whole, as `(x * 1).bernoulli_(p)`) draws in the tensor's memory order; its
     functional form draws in logical order into a contiguous tensor, which puts the same
     numbers on other elements when `x` is not contiguous. So draw into a contiguous tensor
     laid out as the fresh one is in memory, and permute it to the logical order: the same
@@ -59,8 +56,10 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
     for node in list(graph.nodes):
         functional = _RANDOM_FILLS.get(node.target)  # type: ignore[call-overload]
         filled = node.args[0] if functional is not None else None
-        if not isinstance(filled, torch.fx.Node) or filled.target not in _FRESH:
-            continue
+        if not isinstance(filled, torch.fx.Node) or filled.op != "call_function" or is_view(filled) or any(
+            is_view(u) for u in filled.users if u is not node
+        ):
+            continue  # a fill of an input, a view or a viewed tensor writes memory others read: functionalization's
         val = filled.meta["val"]
         order = sorted(range(val.dim()), key=lambda d: (-val.stride(d), -val.shape[d]))  # outermost first
         physical = [val.shape[d] for d in order]
@@ -135,6 +134,33 @@ def inner_backwards_as_eager(gm: torch.fx.GraphModule) -> None:
                 node.replace_all_uses_with(node.args[0])  # type: ignore[arg-type]
                 graph.erase_node(node)
     graph.lint()
+
+
+def random_from_as_random_to(gm: torch.fx.GraphModule) -> None:
+    """After functionalization: `random.from` (what `random_(low, high)` becomes) is an
+    overload Python cannot name in generated code (`from` is a keyword); it draws as
+    `random.to` into int64 plus `low` instead: the same numbers from the same draws (the
+    kernel adds `low` in int64 too), then cast."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is _RANDOM_FROM and argument(node, 2, None) is not None:
+            _random_from_as_random_to(graph, node)
+    graph.lint()
+
+
+def _random_from_as_random_to(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
+    low, high = argument(node, 1, None), argument(node, 2, None)
+    val = node.meta["val"]
+    with graph.inserting_before(node):
+        wide = graph.call_function(_aten.empty_like.default, (node.args[0],), {"dtype": torch.int64})
+        drawn = graph.call_function(_aten.random.to, (wide, high - low), {k: v for k, v in node.kwargs.items() if k == "generator"})
+        shifted = graph.call_function(_aten.add.Scalar, (drawn, low))
+        cast = graph.call_function(_aten._to_copy.default, (shifted,), {"dtype": val.dtype})
+    for new in (wide, drawn, shifted):
+        new.meta = {**node.meta, "val": val.to(torch.int64)}
+    cast.meta = dict(node.meta)
+    node.replace_all_uses_with(cast)
+    graph.erase_node(node)
 
 
 def rrelu_as_product(gm: torch.fx.GraphModule) -> None:
@@ -230,6 +256,45 @@ def _filled(graph: torch.fx.Graph, like: torch.fx.Node, value: Any, dtype: torch
     filled = graph.call_function(_aten.fill.Scalar, (_empty_like_traced(graph, like, dtype), value))
     filled.meta = dict(filled.args[0].meta)  # type: ignore[union-attr]
     return filled
+
+
+_ACCUMULATIONS = (_aten.add.Tensor,)  # how autograd sums gradient contributions
+
+
+def without_absent_cotangents(
+    gm: torch.fx.GraphModule, cotangents: Sequence[torch.fx.Node], absent: Sequence[torch.fx.Node]
+) -> torch.fx.GraphModule:
+    """A backward graph where the cotangent placeholders `absent` (among `cotangents`) are
+    no gradient at all, as in eager autograd, rather than zeros (an unused output's zero
+    times an infinite derivative would be NaN). A backward is linear in its cotangents, so
+    a value computed only from absent ones is nothing and is not computed; one that also
+    reads present ones gets zeros in their place (a sum just drops the term, as autograd's
+    does); a gradient computed from none is None, as eager autograd leaves it."""
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    nothing = set(absent)  # values that are no gradient
+    derived = set(cotangents)  # values computed from cotangents
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = graph.node_copy(node)
+        elif node.op == "output":
+            graph.output(torch.fx.map_arg(node.args[0], lambda n: None if n in nothing else env[n]))  # type: ignore[arg-type,return-value]
+        elif not any(n in derived for n in node.all_input_nodes):
+            env[node] = graph.node_copy(node, env.__getitem__)
+        else:
+            derived.add(node)
+            read = [n for n in node.all_input_nodes if n in derived]
+            if all(n in nothing for n in read):
+                nothing.add(node)
+                continue
+            terms = [a for a in node.args if a not in nothing]
+            if node.target in _ACCUMULATIONS and len(node.args) == 2 and not node.kwargs and len(terms) == 1:
+                env[node] = env[terms[0]]  # type: ignore[index]
+                continue
+            zeros = {n: _filled(graph, n, 0, n.meta["val"].dtype) for n in read if n in nothing}
+            env[node] = graph.node_copy(node, lambda n: zeros[n] if n in zeros else env[n])
+    graph.eliminate_dead_code()
+    return graph_module(gm, graph)
 
 
 def drop_saved_value_detaches(graph: torch.fx.Graph, nodes: Iterable[torch.fx.Node]) -> None:

@@ -52,6 +52,7 @@ from ._passes import (
     grad_free_values_as_constants,
     inner_backwards_as_eager,
     random_fills_in_memory_order,
+    random_from_as_random_to,
     rrelu_as_product,
     writes_in_place,
     writes_out_of_place,
@@ -401,6 +402,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     gm = captured.graph = functionalized(gm)
     functionalize_remaining_mutations(gm, fn_name)
     rrelu_as_product(gm)
+    random_from_as_random_to(gm)
     outputs_for_mutations(captured, fn_name)
     captured.input_values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     captured.reads_storage_offsets = _reads_storage_offsets(gm)
