@@ -151,8 +151,13 @@ def random_from_as_random_to(gm: torch.fx.GraphModule) -> None:
 def _random_from_as_random_to(graph: torch.fx.Graph, node: torch.fx.Node) -> None:
     low, high = argument(node, 1, None), argument(node, 2, None)
     val = node.meta["val"]
+    filled = node.args[0]
     with graph.inserting_before(node):
-        wide = graph.call_function(_aten.empty_like.default, (node.args[0],), {"dtype": torch.int64})
+        if isinstance(filled, torch.fx.Node) and filled.target is _aten.empty.memory_format:  # fresh, contiguous
+            options = {**filled.kwargs, "dtype": torch.int64}
+            wide = graph.call_function(_aten.empty.memory_format, filled.args, options)
+        else:
+            wide = graph.call_function(_aten.empty_like.default, (filled,), {"dtype": torch.int64})
         drawn = graph.call_function(_aten.random.to, (wide, high - low), {k: v for k, v in node.kwargs.items() if k == "generator"})
         shifted = graph.call_function(_aten.add.Scalar, (drawn, low))
         cast = graph.call_function(_aten._to_copy.default, (shifted,), {"dtype": val.dtype})

@@ -109,6 +109,33 @@ def test_vmap_randomness_matches_no_remat(randomness: str) -> None:
     assert_close(per_sample(remat(fn, policy=P.dots_saveable)), per_sample(fn))
 
 
+def _fill_of_computed(x: torch.Tensor) -> torch.Tensor:
+    return x * (x * 1).bernoulli_(0.5)
+
+
+def _random_in_a_range(x: torch.Tensor) -> torch.Tensor:
+    return x.sin() + x.new_empty(x.shape).random_(3, 10) + (x * 1).random_(-5, 1000)
+
+
+@pytest.mark.parametrize("fn", [_fill_of_computed, _random_in_a_range], ids=lambda f: f.__name__)
+def test_random_fills_of_computed_values_and_ranges_match_no_remat(fn: Callable[..., torch.Tensor]) -> None:
+    """A fill of a value autograd tracks has a zero derivative in eager code (its functional
+    form has none); `random_(low, high)` draws the same integers."""
+    def run(f: Callable[..., torch.Tensor]) -> Any:
+        torch.manual_seed(3)
+        x = torch.randn(6, dtype=D, requires_grad=True)
+        out = f(x)
+        out.pow(2).sum().backward()
+        return out.detach(), x.grad, torch.rand(2)
+
+    assert_close(run(remat(fn)), run(fn))
+    xs = torch.randn(3, 6, dtype=D)
+    torch.manual_seed(4)
+    expected = vmap(grad(lambda x: fn(x).pow(2).sum()), randomness="same")(xs)
+    torch.manual_seed(4)
+    assert_close(vmap(grad(lambda x: remat(fn)(x).pow(2).sum()), randomness="same")(xs), expected)
+
+
 def test_vmap_default_randomness_raises_like_no_remat() -> None:
     fn = RANDOM_FUNCTIONS["rand"]
     xs, w = torch.randn(3, 5, 4, dtype=D), torch.randn(4, 4, dtype=D)

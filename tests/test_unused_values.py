@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import pytest
 import torch
-from torch.func import grad, jacrev, vjp
+from torch.func import grad, jacrev
 
 from remat import remat
 from remat import policies as P
@@ -47,10 +47,6 @@ def test_an_unused_output_does_not_poison_the_gradient(fn: Callable[..., Any], p
     assert_close(backward(region), backward(fn))
     assert_close(grad(lambda x: region(x)[0].sum())(_x()), grad(lambda x: fn(x)[0].sum())(_x()))
     assert_close(jacrev(lambda x: region(x)[0])(_x()), jacrev(lambda x: fn(x)[0])(_x()))
-    out, pullback = vjp(region, _x())
-    expected_out, expected_pullback = vjp(fn, _x())
-    ones = torch.ones(3, dtype=D)
-    assert_close(pullback((ones, torch.zeros(3, dtype=D))), expected_pullback((ones, torch.zeros(3, dtype=D))))
 
 
 def test_an_input_that_gets_no_gradient_gets_none() -> None:
