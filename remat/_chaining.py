@@ -80,13 +80,16 @@ def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[int]]
 
     first_nodes = _ancestors([outs[j] for j in first_positions], stop=set())
     rest_nodes = _ancestors([outs[j] for j in rest_positions], stop=set(cut_nodes))
-    if not _random_draws_keep_their_order(graph, first_nodes, rest_nodes) or steps_of(graph.nodes, captured.rng_end):
+    reseeds = captured.rng_end is not None and steps_of(graph.nodes, captured.rng_end) is not None
+    if not _random_draws_keep_their_order(graph, first_nodes, rest_nodes) or reseeds:
         return None  # (the function's own reseeding is replayed by one forward graph)
 
     first_gm = _subgraph(captured.graph, first_nodes, [outs[j] for j in first_positions], [])
     rest_gm = _subgraph(captured.graph, rest_nodes, [outs[j] for j in rest_positions], cut_nodes)
+    # Every draw continues the stream (else the region stays whole), so each part's do too.
     first = dataclasses.replace(
         captured,
+        rng_end=None,
         graph=first_gm,
         n_outputs=len(first_positions),
         mutated=[],
@@ -94,6 +97,7 @@ def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[int]]
     )
     rest = dataclasses.replace(
         captured,
+        rng_end=None,
         graph=rest_gm,
         n_outputs=len(rest_positions) - n_mutated,
         output_differentiable=[captured.output_differentiable[j] for j in rest_positions[: len(rest_positions) - n_mutated]],

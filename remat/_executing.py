@@ -23,7 +23,7 @@ from ._layouts import run_checked
 from ._nodes import DIFFERENTIABLE_KEY
 from ._partitioning import Partition, partition
 from ._passes import without_absent_cotangents
-from ._torch_internals import apply_function, transforms_active
+from ._torch_internals import apply_function, dispatch_modes_off, transforms_active
 from ._tracing import Captured, vjp_of_graph
 
 
@@ -182,7 +182,7 @@ class Plan:
     def higher_order(self) -> tuple[Partition, list[int], list[int]]:
         """A backward that also takes cotangents for the kept values, and where each of its
         kept inputs sits among the Function's saved tensors (built once, lazily)."""
-        with TRACE_LOCK:  # traces (make_fx keeps process-wide state): one at a time in the process
+        with TRACE_LOCK, dispatch_modes_off():  # traces (make_fx keeps process-wide state): one at a time in the process
             if self._higher_order is None:
                 self._higher_order = self._build_higher_order()
         return self._higher_order

@@ -336,7 +336,7 @@ class _Streams:
         draws = recorded_draws(forward)
         self.draw_of = {node: draw for draw, (node, _, _) in draws.items()}
         self.key_of = {draw: key for draw, (_, key, _) in draws.items()}
-        self.steps = steps_of(forward, end or {})
+        self.steps = steps_of(forward, end) if end is not None else None
         self.read: dict[Any, torch.fx.Node] = {}  # (None, generator) or draw -> the state read there
         self.seeded = 0  # seeded states held by the graph
         if self.steps is not None:

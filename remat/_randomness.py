@@ -18,7 +18,7 @@ import torch.fx
 
 from ._errors import RematTraceError
 from ._nodes import RNG_STREAM_KEY, is_random
-from ._torch_internals import unwrap_transforms
+from ._torch_internals import dispatch_modes_off, unwrap_transforms
 
 RNG_KEY = "remat_rng"
 
@@ -148,14 +148,16 @@ class DrawTracker:
 
     def drew(self, device: torch.device) -> tuple[int, str, Source] | None:
         """A random op on `device` was traced: (its draw number, its generator, the stream it
-        draws from); None for a device without a tracked generator."""
+        draws from); None for a device without a tracked generator. (Called as the trace
+        records the op: the states are compared with the trace's modes off.)"""
         key = _device_key(device)
         if key not in self.generators:
             return None
-        source = self._source(key)
-        draw = self.draws
-        self.draws += 1
-        self._mark(key, ("after", draw))
+        with dispatch_modes_off():
+            source = self._source(key)
+            draw = self.draws
+            self.draws += 1
+            self._mark(key, ("after", draw))
         return draw, key, source
 
     def end(self) -> dict[str, Source]:

@@ -31,6 +31,7 @@ from ._sharing import graph_signature, share_plan, shared_plan
 from ._specializing import Templates
 from ._torch_internals import (
     copy_into,
+    dispatch_modes_off,
     fake_tensor_cache_bounded,
     forward_ad_active,
     nested_gradients,
@@ -262,7 +263,7 @@ class Rematerialized:
         """The plan for this call, and whether the function was traced for it (not when
         a template of an earlier size served)."""
         self._traces += 1
-        with fake_tensor_cache_bounded():
+        with fake_tensor_cache_bounded(), dispatch_modes_off():  # the caller's modes see the region run, not its trace
             if plans.templates is None:
                 plans.templates = Templates(plans.maxsize)
             graphs = plans.templates.graphs_for(self.fn, self.region, call, policy)

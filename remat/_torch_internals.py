@@ -405,9 +405,11 @@ def autograd_would_decompose(func: Any, flat_args: Sequence[Any]) -> bool:
 
 @contextlib.contextmanager
 def tracing_isolated() -> Iterator[None]:
-    """Trace as if at top level: no active torch.func transforms, no saved-tensor hooks,
-    a bound on what it leaves in torch's fake-tensor cache; graphs built lazily."""
-    with clear_transforms(), saved_tensor_hooks_suspended(), fake_tensor_cache_bounded(), lazy_graph_modules():
+    """Trace as if at top level: no active torch.func transforms, no dispatch mode of the
+    caller's (a FlopCounterMode counts the region's ops when they run, not its trace's), no
+    saved-tensor hooks, a bound on what it leaves in torch's fake-tensor cache; graphs
+    built lazily."""
+    with dispatch_modes_off(), clear_transforms(), saved_tensor_hooks_suspended(), fake_tensor_cache_bounded(), lazy_graph_modules():
         yield
 
 

@@ -279,7 +279,8 @@ class Captured:
     input_values: list[Any] = field(default_factory=list)  # fake example of each graph input
     reads_storage_offsets: bool = False  # as_strided reads an input: plans are per storage offset
     output_differentiable: list[bool] = field(default_factory=list)  # per tensor output: tracked by autograd
-    rng_end: dict[str, Source] = field(default_factory=dict)  # each generator's stream when the function returns
+    # each generator's stream when the function returns; None: every draw continues the stream
+    rng_end: dict[str, Source] | None = field(default_factory=dict)
     n_hook_outputs: int = 0  # the last of the n_outputs: what module hooks are given (`_hooks`)
     hook_calls: list[HookCall] = field(default_factory=list)
     hooks: HookSet | None = None  # the hooks of the modules the trace called

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -21,6 +22,24 @@ import remat._recording
 import remat._remat
 import remat._specializing
 import remat._tracing
+
+
+def _plain(value: Any) -> Any:
+    """`value` in a form `==` compares: real tensors (a seeded generator state) by their
+    values, weak references by their referent, records field by field."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.tolist()))
+    if isinstance(value, weakref.ref):
+        return ("object", id(value()))
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value) if not hasattr(value, "_fields") else tuple(_plain(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__, *(_plain(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    if type(value).__name__ == "PyTreeSpec":
+        return str(value)
+    return value
 
 
 def _value_facts(v: Any) -> Any:
@@ -42,7 +61,7 @@ def graph_facts(gm: torch.fx.GraphModule) -> list[tuple[Any, ...]]:
         facts.append((
             n.op, n.name, str(n.target), names(n.args), names(n.kwargs),
             sorted(k for k in n.meta if k != "tensor_meta"),  # make_fx's best-effort copy of "val"; remat reads "val"
-            _value_facts(n.meta.get("val")), n.meta.get("custom"), str(n.meta.get("original_aten")),
+            _value_facts(n.meta.get("val")), _plain(n.meta.get("custom")), str(n.meta.get("original_aten")),
             numbers.setdefault(n.meta.get("seq_nr"), len(numbers)),
         ))
     return facts
@@ -65,6 +84,8 @@ def _captured_facts(captured: Any) -> list[Any]:
             value = [id(t) for t in value]
         elif f.name == "input_values":
             value = [_value_facts(v) for v in value]
+        elif f.name in ("rng_end", "hook_calls", "hooks"):
+            value = _plain(value)
         facts.append((f.name, value if f.name != "out_spec" else str(value)))
     return facts
 
