@@ -42,22 +42,23 @@ class Chain:
     captured: Captured  # the whole region's
     first: Runnable
     rest: Runnable
-    first_positions: list[int]  # where first's outputs go among the region's outputs
+    first_positions: list[list[int]]  # for each of first's outputs, where it goes among the region's outputs
 
     def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The region's outputs, then the new values of its mutated inputs."""
         first = list(self.first.apply(inputs)[: len(self.first_positions)])
-        rest = iter(self.rest.apply([*inputs, *first])[: self.captured.n_outputs - len(first) + len(self.captured.mutated)])
-        placed = dict(zip(self.first_positions, first))
+        placed = {j: value for value, positions in zip(first, self.first_positions) for j in positions}
+        rest = iter(self.rest.apply([*inputs, *first])[: self.captured.n_outputs - len(placed) + len(self.captured.mutated)])
         return tuple(placed[j] if j in placed else next(rest) for j in range(self.captured.n_outputs)) + tuple(rest)
 
     def plans(self) -> list[Any]:
         return self.first.plans() + self.rest.plans()
 
 
-def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[int]] | None:
-    """(first, rest, first's output positions) when other outputs are computed from some
-    differentiable outputs, else None."""
+def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[list[int]]] | None:
+    """(first, rest, where each of first's outputs goes) when other outputs are computed
+    from some differentiable outputs, else None. first computes each such value once, as
+    many places as it is returned at (an output returned twice, or also given to a hook)."""
     graph = captured.graph.graph
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
@@ -77,6 +78,7 @@ def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[int]]
     rest_positions = [j for j in range(captured.n_outputs) if outs[j] not in cuts]
     rest_positions += range(captured.n_outputs, captured.n_outputs + n_mutated)
     cut_nodes = list(dict.fromkeys(outs[j] for j in first_positions))
+    placements = [[j for j in first_positions if outs[j] is node] for node in cut_nodes]
 
     first_nodes = _ancestors([outs[j] for j in first_positions], stop=set())
     rest_nodes = _ancestors([outs[j] for j in rest_positions], stop=set(cut_nodes))
@@ -84,28 +86,34 @@ def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[int]]
     if not _random_draws_keep_their_order(graph, first_nodes, rest_nodes) or reseeds:
         return None  # (the function's own reseeding is replayed by one forward graph)
 
-    first_gm = _subgraph(captured.graph, first_nodes, [outs[j] for j in first_positions], [])
+    first_gm = _subgraph(captured.graph, first_nodes, cut_nodes, [])
     rest_gm = _subgraph(captured.graph, rest_nodes, [outs[j] for j in rest_positions], cut_nodes)
     # Every draw continues the stream (else the region stays whole), so each part's do too.
     first = dataclasses.replace(
         captured,
         rng_end=None,
         graph=first_gm,
-        n_outputs=len(first_positions),
+        n_outputs=len(cut_nodes),
         mutated=[],
-        output_differentiable=[True] * len(first_positions),
+        output_differentiable=[True] * len(cut_nodes),
+        n_hook_outputs=0,  # the region calls its hooks, from its own outputs
+        hook_calls=[],
+        hooks=None,
     )
     rest = dataclasses.replace(
         captured,
         rng_end=None,
         graph=rest_gm,
         n_outputs=len(rest_positions) - n_mutated,
+        n_hook_outputs=0,
+        hook_calls=[],
+        hooks=None,
         output_differentiable=[captured.output_differentiable[j] for j in rest_positions[: len(rest_positions) - n_mutated]],
         input_values=[*captured.input_values, *(node.meta["val"] for node in cut_nodes)],
         input_needs_grad=[*captured.input_needs_grad, *(True for _ in cut_nodes)],
         input_paths=[*captured.input_paths, *(f"output {outs.index(node)} of the region" for node in cut_nodes)],
     )
-    return first, rest, first_positions
+    return first, rest, placements
 
 
 def _ancestors(roots: Iterable[Any], stop: set[torch.fx.Node]) -> set[torch.fx.Node]:

@@ -114,5 +114,6 @@ def run_checked(gm: torch.fx.GraphModule, region: str, *inputs: Any) -> tuple[An
     """Run `gm` on `inputs`, checking values against the trace when it can (not under vmap,
     whose batched tensors have other strides): returns the outputs and whether it checked."""
     if any(isinstance(t, torch.Tensor) and has_batched_level(t) for t in inputs):
-        return gm(*inputs), False
+        gm.code  # a lazy graph module generates its forward here (its first forward would call gm(...))
+        return gm.forward(*inputs), False  # not gm(...): module hooks (a global one) are not for remat's graphs
     return _LayoutCheck(gm, region).run(*inputs), True

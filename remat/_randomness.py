@@ -18,7 +18,7 @@ import torch.fx
 
 from ._errors import RematTraceError
 from ._nodes import RNG_STREAM_KEY, is_random
-from ._torch_internals import dispatch_modes_off, unwrap_transforms
+from ._torch_internals import below_a_vmap_refusing_randomness, dispatch_modes_off, unwrap_transforms
 
 RNG_KEY = "remat_rng"
 
@@ -45,7 +45,8 @@ def replay_random(state: torch.Tensor, rng_device: torch.device, op: Any, /, *ar
     current = gen.get_state()
     gen.set_state(unwrap_transforms(state))  # under vmap the saved state arrives wrapped
     try:
-        return op(*args, **kwargs)
+        with below_a_vmap_refusing_randomness(args):  # jacrev's vmap of the backward
+            return op(*args, **kwargs)
     finally:
         gen.set_state(current)
 

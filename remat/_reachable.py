@@ -84,7 +84,10 @@ def _items(value: Any) -> Iterator[tuple[str, Any]] | None:
 
 def _plain_object(value: Any) -> bool:
     """An object whose attributes are its state: not a function, class or module (their
-    state is code), nor a callable or an object of the standard library (a logger's caches)."""
+    state is code), nor a callable or an object of the standard library (a logger's caches)
+    other than a SimpleNamespace."""
+    if isinstance(value, types.SimpleNamespace):
+        return True
     return (
         hasattr(value, "__dict__") and not callable(value)
         and type(value).__module__.partition(".")[0] not in sys.stdlib_module_names

@@ -501,3 +501,24 @@ def calling_modules_through(wrapper: Callable[..., Any]) -> Iterator[None]:
         yield
     finally:
         torch.nn.Module._call_impl = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def below_a_vmap_refusing_randomness(tensors: Sequence[Any]) -> Iterator[None]:
+    """Within: when the innermost transform is a vmap with `randomness="error"` (jacrev's,
+    jacfwd's) and none of `tensors` is batched by it, the ops run below it, as unbatched
+    ops: a replayed draw there is no new draw, and eager code never makes it under that
+    vmap (torch 2.13 and 2.11, _functorch/pyfunctorch.py)."""
+    from torch._C._functorch import TransformType, is_batchedtensor, maybe_get_level
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter, temporarily_pop_interpreter_stack
+
+    interpreter = retrieve_current_functorch_interpreter() if torch._C._functorch.peek_interpreter_stack() is not None else None
+    if interpreter is None or interpreter.key() != TransformType.Vmap or interpreter.randomness() != "error":
+        yield
+        return
+    level = interpreter.level()
+    if any(isinstance(t, torch.Tensor) and is_batchedtensor(t) and maybe_get_level(t) == level for t in tensors):
+        yield
+        return
+    with temporarily_pop_interpreter_stack():
+        yield

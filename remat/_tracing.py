@@ -455,7 +455,7 @@ def _refuse_stand_ins(fn_name: str, roots: list[tuple[str, Any]], out_static: li
             )
 
 
-_WARNED_CHANGES: set[tuple[str, str]] = set()
+_WARNED_CHANGES: set[tuple[Any, str]] = set()  # (the region's code, or name, and what changed)
 
 
 def _warn_changes(fn_name: str, fn: Callable[..., Any], before: Snapshot) -> None:
@@ -463,7 +463,7 @@ def _warn_changes(fn_name: str, fn: Callable[..., Any], before: Snapshot) -> Non
     while traced: the change happens once per trace, not once per call."""
     code = _code_of(fn)
     for change in before.changed():
-        key = (fn_name if code is None else f"{code.co_filename}:{code.co_firstlineno}", change)
+        key = (fn_name if code is None else code, change)
         if key in _WARNED_CHANGES:
             continue
         _WARNED_CHANGES.add(key)

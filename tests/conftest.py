@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import optree
 import pytest
@@ -60,10 +61,10 @@ def policy(request: pytest.FixtureRequest) -> Any:
     return POLICIES[request.param]
 
 
-@pytest.fixture(autouse=True)
-def _every_graph_keeps_the_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every graph remat builds in any test is functional, vmap-safe and laid out as traced
-    (remat/_passes.py): checked as each plan is built."""
+def check_every_graph(install: Callable[[Any, str, Any], None]) -> None:
+    """From now on, every graph remat builds is checked as its plan is built: functional,
+    vmap-safe and laid out as traced (remat/_passes.py). `install` is monkeypatch.setattr
+    in a test, the builtin setattr in the worker processes of tests/test_differential.py."""
     from remat import _executing, _remat
     from remat._passes import check_invariants, check_layouts
     from remat._torch_internals import fake_tensor_cache_bounded
@@ -89,8 +90,14 @@ def _every_graph_keeps_the_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
         check(full.forward, full.backward)
         return full, order, cotangents
 
-    monkeypatch.setattr(_remat.Rematerialized, "_build", checked_build)
-    monkeypatch.setattr(_executing.Plan, "higher_order", checked_higher_order)
+    install(_remat.Rematerialized, "_build", checked_build)
+    install(_executing.Plan, "higher_order", checked_higher_order)
+
+
+@pytest.fixture(autouse=True)
+def _every_graph_keeps_the_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every graph remat builds in any test is functional, vmap-safe and laid out as traced."""
+    check_every_graph(monkeypatch.setattr)
 
 
 @pytest.fixture(autouse=True)
@@ -110,10 +117,21 @@ def _traces_against_make_fx() -> Iterator[None]:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "opinfo: the sweep over torch's OpInfo database (tests/test_opinfo.py)")
+    config.addinivalue_line("markers", "differential: random programs against no remat (tests/test_differential.py)")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    """Counts of the OpInfo sweep's outcomes per transform, from every passed test's record."""
+    """Counts of the OpInfo sweep's outcomes per transform, from every passed test's record,
+    and of the random programs' outcomes, from every test's record."""
+    programs: dict[str, int] = {}
+    for report in terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", []):
+        for name, outcomes in getattr(report, "user_properties", []):
+            if name == "differential":
+                for outcome in outcomes:
+                    programs[outcome] = programs.get(outcome, 0) + 1
+    if programs:
+        terminalreporter.write_sep("-", "random programs against no remat")
+        terminalreporter.write_line(", ".join(f"{k} {v}" for k, v in sorted(programs.items())))
     counts: dict[str, dict[str, int]] = {}
     for report in terminalreporter.stats.get("passed", []):
         for name, rows in getattr(report, "user_properties", []):
