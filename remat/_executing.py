@@ -20,10 +20,10 @@ from ._caching import TRACE_LOCK
 from ._errors import RematError
 from ._graph_code import direct_code
 from ._layouts import run_checked
-from ._nodes import DIFFERENTIABLE_KEY
+from ._nodes import DIFFERENTIABLE_KEY, is_random
 from ._partitioning import Partition, partition
 from ._passes import without_absent_cotangents
-from ._torch_internals import apply_function, dispatch_modes_off, transforms_active
+from ._torch_internals import apply_function, batched_at, dispatch_modes_off, innermost_vmap, transforms_active
 from ._tracing import Captured, vjp_of_graph
 
 
@@ -211,6 +211,35 @@ class Plan:
         order += [offset + residuals.index(j) for j in full_residuals]
         order += [offset + len(residuals) + self.part.replayed.index(k) for k in full.replayed]
         return full, order, cotangent_outputs
+
+
+def counted_per_batch_element(captured: Captured, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether, called under a vmap (the innermost transform) with these inputs, the
+    region's Function would count some gradient once per batch element. torch's generated
+    vmap rule runs the backward per element and sums what unbatched inputs get, so an
+    output computed from unbatched inputs only (batched by nothing; a draw under
+    `randomness="different"` is batched), whose one cotangent every element's backward
+    then reads, would add its contribution to those inputs' gradients batch-size times."""
+    vmap = innermost_vmap()
+    if vmap is None:
+        return False
+    level, randomness = vmap
+    batched = [batched_at(t, level) for t in inputs]
+    needing = [needs and not b for needs, b in zip(captured.input_needs_grad, batched)]
+    if all(batched) or not any(needing):
+        return False
+    placeholders = [n for n in captured.graph.graph.nodes if n.op == "placeholder"]
+    reached = {n for n, b in zip(placeholders, batched) if b}
+    for node in captured.graph.graph.nodes:
+        if node.op == "call_function" and (
+            any(i in reached for i in node.all_input_nodes) or (randomness == "different" and is_random(node))
+        ):
+            reached.add(node)
+    outs = next(n for n in captured.graph.graph.nodes if n.op == "output").args[0]
+    return any(
+        differentiable and isinstance(out, torch.fx.Node) and out not in reached
+        for out, differentiable in zip(outs, captured.output_differentiable)
+    )
 
 
 def _second_run(checked: dict[int, Callable[..., Any]], gm: torch.fx.GraphModule, *inputs: Any) -> Any:

@@ -23,7 +23,7 @@ from ._compiling import (
     overriding_under_compile,
     selective_context,
 )
-from ._executing import Plan
+from ._executing import Plan, counted_per_batch_element
 from ._hooks import call_hooks
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
@@ -225,9 +225,11 @@ class Rematerialized:
                     plans.store(call.key, call.key_labels(), plan, offsets, traced)
         if plan is None:  # nothing needs a gradient: there is nothing to checkpoint
             return self.fn(*args, **kwargs)
-        record(plan)
         captured = plan.captured
         inputs = captured.graph_inputs(call)
+        if counted_per_batch_element(captured, inputs):  # exact without remat; rare (see there)
+            return self.fn(*args, **kwargs)
+        record(plan)
         results = plan.apply(inputs)
         if captured.mutated:
             self._apply_mutations(plan, inputs, results)

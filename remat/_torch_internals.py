@@ -90,6 +90,26 @@ def has_batched_level(t: torch.Tensor) -> bool:
     return any(torch._C._functorch.is_batchedtensor(level) for level in transform_levels(t))
 
 
+def innermost_vmap() -> tuple[int, str] | None:
+    """(level, randomness) of the innermost torch.func transform when it is a vmap (torch
+    2.13 and 2.11)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return None
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
+
+    interpreter = retrieve_current_functorch_interpreter()
+    if interpreter.key() != TransformType.Vmap:
+        return None
+    return interpreter.level(), interpreter.randomness()
+
+
+def batched_at(t: torch.Tensor, level: int) -> bool:
+    """Whether vmap batches `t` at `level` (torch 2.13 and 2.11)."""
+    functorch = torch._C._functorch
+    return bool(functorch.is_batchedtensor(t)) and functorch.maybe_get_level(t) == level
+
+
 def unwrap_transforms(t: torch.Tensor) -> torch.Tensor:
     """The plain tensor under every torch.func wrapper (torch 2.13)."""
     return transform_levels(t)[-1]

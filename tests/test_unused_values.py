@@ -80,3 +80,24 @@ def test_an_unused_input_changed_in_place_before_the_call() -> None:
 
     f = lambda a, b: a.sin()  # noqa: E731
     assert_close(run(remat(f)), run(f))
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_vmap_with_unbatched_inputs_counts_each_gradient_once(policy_name: str) -> None:
+    """An output computed only from an input vmap does not batch, differentiated outside the
+    vmap: its gradient is counted once, as in eager code (not once per batch element)."""
+    xs = torch.randn(3, 4, dtype=D)
+    p = torch.randn(4, dtype=D)
+    f = lambda p, x: (p.sin(), x * p)  # noqa: E731
+    region = remat(f, policy=POLICIES[policy_name])
+
+    def loss(fn: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda p: sum(o.pow(2).sum() for o in torch.func.vmap(fn, in_dims=(None, 0))(p, xs))
+
+    assert_close(grad(loss(region))(p), grad(loss(f))(p))
+    leaf = p.clone().requires_grad_()
+    loss(region)(leaf).backward()
+    assert_close(leaf.grad, grad(loss(f))(p))
+    per_sample = torch.func.vmap(grad(lambda p, x: region(p, x)[1].sum() + region(p, x)[0].sum()), in_dims=(None, 0))
+    expected = torch.func.vmap(grad(lambda p, x: f(p, x)[1].sum() + f(p, x)[0].sum()), in_dims=(None, 0))
+    assert_close(per_sample(p, xs), expected(p, xs))
