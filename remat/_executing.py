@@ -23,7 +23,15 @@ from ._layouts import run_checked
 from ._nodes import DIFFERENTIABLE_KEY, is_random
 from ._partitioning import Partition, partition
 from ._passes import without_absent_cotangents
-from ._torch_internals import apply_function, batched_at, dispatch_modes_off, innermost_vmap, transforms_active
+from ._torch_internals import (
+    apply_function,
+    batched_at,
+    dispatch_modes_off,
+    has_batched_level,
+    innermost_vmap,
+    transforms_active,
+    vmap_randomness_different,
+)
 from ._tracing import Captured, vjp_of_graph
 
 
@@ -213,33 +221,44 @@ class Plan:
         return full, order, cotangent_outputs
 
 
-def counted_per_batch_element(captured: Captured, inputs: Sequence[torch.Tensor]) -> bool:
-    """Whether, called under a vmap (the innermost transform) with these inputs, the
-    region's Function would count some gradient once per batch element. torch's generated
-    vmap rule runs the backward per element and sums what unbatched inputs get, so an
-    output computed from unbatched inputs only (batched by nothing; a draw under
-    `randomness="different"` is batched), whose one cotangent every element's backward
-    then reads, would add its contribution to those inputs' gradients batch-size times."""
+def eager_under_vmap(captured: Captured, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether, called under a vmap (the innermost transform) with these inputs, the region
+    must run as it is, without remat, to be exact; two cases, both rare:
+    - torch's generated vmap rule runs the backward per batch element and sums what
+      unbatched inputs get, so an output computed from unbatched inputs only (batched by
+      nothing; a draw under `randomness="different"` is batched), whose one cotangent every
+      element's backward reads, would add to those inputs' gradients batch-size times;
+    - under `randomness="different"`, eager `empty_like(x).uniform_()` draws per element
+      when `x` is batched, where remat's graph draws into a fresh tensor vmap does not batch."""
+    if not transforms_active():
+        return False
+    if captured.fills_like and vmap_randomness_different() and any(has_batched_level(t) for t in inputs):
+        return True
     vmap = innermost_vmap()
     if vmap is None:
         return False
     level, randomness = vmap
-    batched = [batched_at(t, level) for t in inputs]
-    needing = [needs and not b for needs, b in zip(captured.input_needs_grad, batched)]
-    if all(batched) or not any(needing):
+    batched = tuple(batched_at(t, level) for t in inputs)
+    if all(batched) or not any(needs and not b for needs, b in zip(captured.input_needs_grad, batched)):
         return False
-    placeholders = [n for n in captured.graph.graph.nodes if n.op == "placeholder"]
+    return _output_of_unbatched_inputs(captured.graph, tuple(captured.output_differentiable), batched, randomness)
+
+
+@functools.lru_cache(maxsize=256)
+def _output_of_unbatched_inputs(
+    gm: torch.fx.GraphModule, differentiable: tuple[bool, ...], batched: tuple[bool, ...], randomness: str
+) -> bool:
+    """Whether a differentiable output of `gm` is computed from unbatched inputs only."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     reached = {n for n, b in zip(placeholders, batched) if b}
-    for node in captured.graph.graph.nodes:
+    for node in graph.nodes:
         if node.op == "call_function" and (
             any(i in reached for i in node.all_input_nodes) or (randomness == "different" and is_random(node))
         ):
             reached.add(node)
-    outs = next(n for n in captured.graph.graph.nodes if n.op == "output").args[0]
-    return any(
-        differentiable and isinstance(out, torch.fx.Node) and out not in reached
-        for out, differentiable in zip(outs, captured.output_differentiable)
-    )
+    outs = next(n for n in graph.nodes if n.op == "output").args[0]
+    return any(d and isinstance(out, torch.fx.Node) and out not in reached for out, d in zip(outs, differentiable))
 
 
 def _second_run(checked: dict[int, Callable[..., Any]], gm: torch.fx.GraphModule, *inputs: Any) -> Any:

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 
-from ._nodes import BACKWARD_KEY, GRAD_OFF_KEY, USER_DETACH_KEY, comes_after, is_tuple, is_view
+from ._nodes import BACKWARD_KEY, FILL_LIKE_KEY, GRAD_OFF_KEY, USER_DETACH_KEY, comes_after, is_tuple, is_view
 from ._torch_internals import graph_module, new_fake_mode
 
 _aten = torch.ops.aten
@@ -74,6 +74,8 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
             logical = graph.call_function(_aten.permute.default, (drawn, inverse))
         fresh.meta = {**filled.meta, "val": val.new_empty(physical)}
         drawn.meta = {**node.meta, "val": fresh.meta["val"]}
+        if any(isinstance(a, torch.fx.Node) for a in filled.args):  # a fill of a tensor made like another
+            drawn.meta["custom"] = {**drawn.meta.get("custom", {}), FILL_LIKE_KEY: True}
         logical.meta = {**node.meta, "val": fresh.meta["val"].permute(inverse)}
         node.replace_all_uses_with(logical)
         for user in [u for u in filled.users if u is not node and comes_after(graph, u, node)]:

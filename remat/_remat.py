@@ -23,7 +23,7 @@ from ._compiling import (
     overriding_under_compile,
     selective_context,
 )
-from ._executing import Plan, counted_per_batch_element
+from ._executing import Plan, eager_under_vmap
 from ._hooks import call_hooks
 from ._inspecting import record
 from ._partitioning import partition, policy_decider, warn_unmatched_references
@@ -227,7 +227,7 @@ class Rematerialized:
             return self.fn(*args, **kwargs)
         captured = plan.captured
         inputs = captured.graph_inputs(call)
-        if counted_per_batch_element(captured, inputs):  # exact without remat; rare (see there)
+        if eager_under_vmap(captured, inputs):  # exact without remat; rare (see there)
             return self.fn(*args, **kwargs)
         record(plan)
         results = plan.apply(inputs)

@@ -104,6 +104,14 @@ def innermost_vmap() -> tuple[int, str] | None:
     return interpreter.level(), interpreter.randomness()
 
 
+def vmap_randomness_different() -> bool:
+    """Whether some active vmap draws `randomness="different"` (torch 2.13 and 2.11)."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap and i.randomness() == "different" for i in retrieve_all_functorch_interpreters())
+
+
 def batched_at(t: torch.Tensor, level: int) -> bool:
     """Whether vmap batches `t` at `level` (torch 2.13 and 2.11)."""
     functorch = torch._C._functorch

@@ -38,6 +38,7 @@ from ._naming import annotate
 from ._nodes import (
     BACKWARD_KEY,
     DIFFERENTIABLE_KEY,
+    FILL_LIKE_KEY,
     GRAD_OFF_KEY,
     RNG_STREAM_KEY,
     SCOPE_KEY,
@@ -284,6 +285,7 @@ class Captured:
     n_hook_outputs: int = 0  # the last of the n_outputs: what module hooks are given (`_hooks`)
     hook_calls: list[HookCall] = field(default_factory=list)
     hooks: HookSet | None = None  # the hooks of the modules the trace called
+    fills_like: bool = False  # a random fill of a tensor made like another (see _executing.eager_under_vmap)
 
     def graph_inputs(self, call: Call) -> list[torch.Tensor]:
         """The call's tensors in this graph's input order: its arguments, the captured tensors
@@ -406,6 +408,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     random_from_as_random_to(gm)
     outputs_for_mutations(captured, fn_name)
     captured.input_values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    captured.fills_like = any(n.meta.get("custom", {}).get(FILL_LIKE_KEY) for n in gm.graph.nodes)
     captured.reads_storage_offsets = _reads_storage_offsets(gm)
     gm.recompile()
     return captured

@@ -136,6 +136,28 @@ def test_random_fills_of_computed_values_and_ranges_match_no_remat(fn: Callable[
     assert_close(vmap(grad(lambda x: remat(fn)(x).pow(2).sum()), randomness="same")(xs), expected)
 
 
+@pytest.mark.parametrize("randomness", ["different", "same"])
+@pytest.mark.parametrize("transform", ["vmap", "vmap_grad"])
+def test_a_fill_of_a_tensor_made_like_a_batched_one_draws_as_eager_under_vmap(transform: str, randomness: str) -> None:
+    """Eager `empty_like(x).uniform_()` draws a row per element when vmap batches `x` with
+    `randomness="different"` (and one row for all with "same")."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.empty_like(x).uniform_() + x.new_empty(x.shape).normal_()
+
+    xs = torch.randn(3, 4, dtype=D)
+
+    def run(fn: Callable[..., torch.Tensor]) -> Any:
+        torch.manual_seed(5)
+        if transform == "vmap":
+            leaf = xs.clone().requires_grad_()
+            out = vmap(fn, randomness=randomness)(leaf)
+            out.pow(2).sum().backward()
+            return out.detach(), leaf.grad, torch.rand(2)
+        return vmap(grad(lambda x: fn(x).pow(2).sum()), randomness=randomness)(xs), torch.rand(2)
+
+    assert_close(run(remat(f)), run(f))
+
+
 def test_vmap_default_randomness_raises_like_no_remat() -> None:
     fn = RANDOM_FUNCTIONS["rand"]
     xs, w = torch.randn(3, 5, 4, dtype=D), torch.randn(4, 4, dtype=D)
