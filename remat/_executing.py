@@ -55,6 +55,7 @@ class Plan:
     # backwards for calls where some outputs get no gradient, by (graph id, which cotangents are absent)
     _pruned: dict[tuple[int, frozenset[int]], torch.fx.GraphModule] = field(default_factory=dict, repr=False)
     trace_seconds: float = 0.0  # what a plain trace of the function took (`_specializing` prices templates by it)
+    builds_graph: bool = True  # its backward was traced as autograd runs one that builds a graph
 
     def run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
         """Run one of this plan's graphs; its first run checks layouts against the trace."""
@@ -230,7 +231,7 @@ def eager_under_vmap(captured: Captured, inputs: Sequence[torch.Tensor]) -> bool
       element's backward reads, would add to those inputs' gradients batch-size times;
     - under `randomness="different"`, eager `empty_like(x).uniform_()` draws per element
       when `x` is batched, where remat's graph draws into a fresh tensor vmap does not batch."""
-    if not transforms_active():
+    if torch.compiler.is_compiling() or not transforms_active():  # dynamo resuming after a break: no vmap
         return False
     if captured.fills_like and vmap_randomness_different() and any(has_batched_level(t) for t in inputs):
         return True
@@ -293,7 +294,10 @@ class RematFunction(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         plan: Plan = ctx.plan
         kept = ctx.saved_tensors
-        if len(grads) > plan.n_outputs and any(g is not None for g in grads[plan.n_outputs:]):  # second order
+        second_order = len(grads) > plan.n_outputs and any(g is not None for g in grads[plan.n_outputs:])
+        # a backward that builds a graph (create_graph=True) runs the derivatives eager code then runs
+        builds_graph = torch.is_grad_enabled() and not plan.builds_graph and not plan.part.offloaded
+        if second_order or builds_graph:
             if plan.part.offloaded:
                 raise RematError(
                     f"remat({plan.region}): this second-order gradient (a backward of a backward) would "

@@ -298,15 +298,19 @@ class Rematerialized:
             first, rest, first_positions = halves
             return Chain(captured, self._plan(first, updated), self._plan(rest, updated), first_positions)  # type: ignore[arg-type]
         float_outputs = [j for j, differentiable in enumerate(captured.output_differentiable) if differentiable]
+        builds_graph = transforms_active()  # torch.func differentiates a backward as a graph; .backward() does not
         if joint is None:
-            joint = differentiate(captured, diff_inputs, float_outputs)
+            joint = differentiate(captured, diff_inputs, float_outputs, create_graph=builds_graph)
         n_outputs = captured.n_outputs + len(captured.mutated)
         decide = policy_decider(captured.scopes)
         part = partition(
             joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=updated,
             budget=budget_of(captured.scopes), offload=not nested_gradients(), rng_end=captured.rng_end,
         )
-        plan = Plan(captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region)
+        plan = Plan(
+            captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region,
+            builds_graph=builds_graph,
+        )
         if nested_gradients():
             plan.keep_inputs_for_second_order()
         return plan

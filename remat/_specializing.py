@@ -162,7 +162,7 @@ def trace_template(
         if split_at_outputs(captured) is not None:
             raise _NoTemplate("outputs feed other outputs (a chain of plans)")
         float_outputs = [j for j, differentiable in enumerate(captured.output_differentiable) if differentiable]
-        joint = differentiate(captured, diff_inputs, float_outputs)
+        joint = differentiate(captured, diff_inputs, float_outputs, create_graph=False)  # templates: no transforms
         guards = guards_expression(mode, captured.input_values)
     return Template(captured, joint, mode, guards, dims)
 

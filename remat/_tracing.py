@@ -614,8 +614,15 @@ def _lift_constants(captured: Captured, call: Call, fn_name: str, under_transfor
     gm.graph.lint()
 
 
-def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs: Sequence[int]) -> torch.fx.GraphModule:
+def differentiate(
+    captured: Captured, diff_inputs: Sequence[int], float_outputs: Sequence[int], create_graph: bool = True
+) -> torch.fx.GraphModule:
     """Stage 2: one graph computing the outputs and the vjp w.r.t. `diff_inputs`.
+
+    With `create_graph`, the backward autograd runs when it builds a graph (torch.func's
+    transforms, a double backward), else the one `.backward()` runs: some derivatives are
+    other ops in the two (SiLU's is `silu_backward` in one, its composite formula in the
+    other), so each is traced where eager code runs it, for the same rounding.
 
     Inputs: every stage-1 input, then one tangent per output in `float_outputs`.
     Outputs: every stage-1 output, then one gradient per input in `diff_inputs`.
@@ -636,7 +643,7 @@ def differentiate(captured: Captured, diff_inputs: Sequence[int], float_outputs:
                 [o for o, _ in pairs],
                 [primals[i] for i in diff_inputs],
                 [t for _, t in pairs],
-                create_graph=True,  # trace the backward autograd would run for higher-order gradients
+                create_graph=create_graph,
                 allow_unused=True,  # an input the outputs do not depend on gets None, as in eager
             ) if pairs else [None for _ in diff_inputs]
         return [*outs, *grads]
@@ -692,7 +699,7 @@ def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     def run(*flat: torch.Tensor) -> Any:
         with preserve_node_meta():
-            return _CarryMeta(gm).run(*flat)
+            return _Refunctionalizing(gm).run(*flat)
 
     with tracing_isolated():
         mode = new_fake_mode()
@@ -727,6 +734,21 @@ class _CarryMeta(torch.fx.Interpreter):
                     if node is not None:
                         node.meta["custom"] = {**node.meta.get("custom", {}), **custom}
         return out
+
+
+class _Refunctionalizing(_CarryMeta):
+    """The retrace that functionalizes: a value written in place becomes a new value, which
+    the out-of-place op may lay out otherwise than the write left it (a masked fill of a
+    transposed tensor), so a `view` traced on the old layout becomes `reshape` where it
+    can no longer view: the same values."""
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is torch.ops.aten.view.default:
+            try:
+                return target(*args, **kwargs)
+            except (RuntimeError, ValueError):
+                return torch.ops.aten.reshape.default(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
 
 
 def _blame(blame: list[torch.fx.Node], node: torch.fx.Node, grads: Any) -> None:

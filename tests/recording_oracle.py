@@ -121,25 +121,25 @@ def _compared(stage: str, build: Callable[..., Any], facts_of: Callable[[Any], l
         _note("recorded")
         return gm
 
-    def compared(*args: Any) -> Any:
+    def compared(*args: Any, **kwargs: Any) -> Any:
         # torch's fake-tensor cache keys on whether make_fx is tracing, so the two traces
         # would read different entries, and a cached output can differ from a computed one
         # (as_strided_scatter's storage offset, torch 2.13): both compute every op.
         _STAGE.append(stage)
         try:
             with torch._dynamo.config.patch(fake_tensor_cache_enabled=False):
-                return compared_uncached(*args)
+                return compared_uncached(*args, **kwargs)
         finally:
             _STAGE.pop()
 
-    def built_with(stand_in: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def built_with(stand_in: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         remat._tracing.record = stand_in
         try:
-            return build(*args)
+            return build(*args, **kwargs)
         finally:
             remat._tracing.record = record
 
-    def compared_uncached(*args: Any) -> Any:
+    def compared_uncached(*args: Any, **kwargs: Any) -> Any:
         offered = [False]
 
         def offer(*a: Any, **k: Any) -> Any:
@@ -147,15 +147,15 @@ def _compared(stage: str, build: Callable[..., Any], facts_of: Callable[[Any], l
             return recorded(*a, **k)
 
         try:
-            result = built_with(offer, args)
+            result = built_with(offer, args, kwargs)
         except Exception as error:
             with pytest.raises(type(error)) as reference_error:
-                built_with(refuse_recording, args)
+                built_with(refuse_recording, args, kwargs)
             assert str(reference_error.value) == str(error), (str(reference_error.value), str(error))
             raise
         if not offered[0]:  # not offered to the recorder
             _note("make_fx")
-        reference = built_with(refuse_recording, args)
+        reference = built_with(refuse_recording, args, kwargs)
         _assert_same(facts_of(result), facts_of(reference), f"{stage} trace")
         return result
 

@@ -125,13 +125,14 @@ def test_a_custom_op_is_left_to_make_fx_and_matches_no_remat() -> None:
 
 
 def test_an_error_in_a_recorded_joint_is_make_fx_s_error() -> None:
-    """A derivative that cannot run without data (scatter_reduce's product reads a value)
-    fails with the same error with the recorder as with make_fx alone: the recorder hands
-    what it cannot do to make_fx, whose error remat reports."""
+    """A derivative that cannot run without data (scatter_reduce's product reads a value
+    in the form torch.func differentiates) fails with the same error with the recorder as
+    with make_fx alone: the recorder hands what it cannot do to make_fx, whose error remat
+    reports."""
     def f(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         return x.scatter_reduce(0, index, x, "prod").sum()
 
-    x = torch.randn(3, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(3, 3, dtype=torch.float64)
     index = torch.tensor([[0, 1, 0], [1, 0, 1], [0, 0, 1]])
     messages = []
     for use_recorder in (True, False):
@@ -139,7 +140,7 @@ def test_an_error_in_a_recorded_joint_is_make_fx_s_error() -> None:
             if not use_recorder:
                 mp.setattr(remat._tracing, "record", refuse_recording)
             with pytest.raises(RematError, match=r"derivative of `aten.scatter_reduce`.*runs `aten._local_scalar_dense`") as error:
-                remat.remat(f)(x, index)
+                torch.func.grad(remat.remat(f))(x, index)
             messages.append(str(error.value))
     assert messages[0] == messages[1]
 
