@@ -25,6 +25,7 @@ from ._partitioning import Partition, partition
 from ._passes import without_absent_cotangents
 from ._torch_internals import (
     apply_function,
+    autocast_off,
     batched_at,
     dispatch_modes_off,
     has_batched_level,
@@ -58,7 +59,14 @@ class Plan:
     builds_graph: bool = True  # its backward was traced as autograd runs one that builds a graph
 
     def run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
-        """Run one of this plan's graphs; its first run checks layouts against the trace."""
+        """Run one of this plan's graphs; its first run checks layouts against the trace.
+        A graph holds autocast's casts already: under autocast it runs with autocast off."""
+        if torch._C._is_any_autocast_enabled():
+            with autocast_off():
+                return self._run(gm, *inputs)
+        return self._run(gm, *inputs)
+
+    def _run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
         try:
             direct = self._checked.get(id(gm))
             if direct is not None:

@@ -19,6 +19,7 @@ BACKWARD_KEY = "remat_backward"  # computed by an autograd.grad/backward the fun
 USER_DETACH_KEY = "remat_user_detach"  # a `detach` the function's code calls (not autograd's own)
 RNG_STREAM_KEY = "remat_rng_stream"  # a random op's (draw number, generator, the stream it draws from)
 FILL_LIKE_KEY = "remat_fill_like"  # a random fill drawn into a fresh tensor, where eager filled one made like another
+AUTOCAST_CAST_KEY = "remat_autocast_cast"  # a cast autocast made (not the user's `.to`)
 GRAD_OFF_KEY = "remat_grad_off"  # computed with grad disabled (no_grad, inference_mode): a constant of backward
 
 

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 
-from ._nodes import BACKWARD_KEY, FILL_LIKE_KEY, GRAD_OFF_KEY, USER_DETACH_KEY, comes_after, is_tuple, is_view
+from ._nodes import AUTOCAST_CAST_KEY, BACKWARD_KEY, FILL_LIKE_KEY, GRAD_OFF_KEY, USER_DETACH_KEY, comes_after, is_tuple, is_view
 from ._torch_internals import graph_module, new_fake_mode
 
 _aten = torch.ops.aten
@@ -83,6 +83,30 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
         graph.erase_node(node)
         if not filled.users:
             graph.erase_node(filled)
+    graph.lint()
+
+
+def autocast_casts_of_leaves_cached(gm: torch.fx.GraphModule, leaves: Sequence[bool]) -> None:
+    """Eager autocast keeps one cast of a leaf that requires grad (a parameter) per dtype
+    for its whole context (its cast cache; make_fx traces with the cache off): every use
+    reads that cast, whose gradient sums all uses in the low dtype before one cast back.
+    So the casts autocast made of each such input of the graph (`leaves`: per placeholder)
+    become the first one, for the same gradient, rounded the same."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for placeholder, leaf in zip(placeholders, leaves):
+        if not leaf:
+            continue
+        first: dict[Any, torch.fx.Node] = {}
+        for user in list(placeholder.users):
+            if user.target is not _aten._to_copy.default or not user.meta.get("custom", {}).get(AUTOCAST_CAST_KEY):
+                continue
+            key = tuple(sorted(user.kwargs.items()))
+            if key in first:
+                user.replace_all_uses_with(first[key])
+                graph.erase_node(user)
+            else:
+                first[key] = user
     graph.lint()
 
 

@@ -279,6 +279,22 @@ _NO_AUTOCAST = ("no autocast",)
 
 
 @contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """Within: no device autocasts. A region's stage-1 graph already holds the casts
+    autocast made (and not those it did not: inside a composite such as SDPA's math path
+    autocast is off), so replaying it, differentiating it and running its graphs must not
+    cast again (torch 2.13)."""
+    if not torch._C._is_any_autocast_enabled():
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for device in ("cpu", "cuda"):
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
 def saved_tensor_hooks_suspended() -> Iterator[None]:
     """Lift the user's saved-tensor hooks while tracing: torch.func refuses to run under them,
     and a trace on fake tensors saves nothing worth hooking (torch 2.13)."""

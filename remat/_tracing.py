@@ -36,6 +36,7 @@ from ._failures import CustomFunctionUsed, backward_failure, custom_function_beh
 from ._mutations import functionalize_remaining_mutations, outputs_for_mutations
 from ._naming import annotate
 from ._nodes import (
+    AUTOCAST_CAST_KEY,
     BACKWARD_KEY,
     DIFFERENTIABLE_KEY,
     FILL_LIKE_KEY,
@@ -50,6 +51,7 @@ from ._nodes import (
     producer,
 )
 from ._passes import (
+    autocast_casts_of_leaves_cached,
     grad_free_values_as_constants,
     inner_backwards_as_eager,
     random_fills_in_memory_order,
@@ -61,6 +63,7 @@ from ._passes import (
 from ._randomness import RNG_KEY, DrawTracker, Source
 from ._recording import active_recorder, record, traced_node
 from ._torch_internals import (
+    autocast_off,
     autograd_engine_running,
     grad_disabled_by_code,
     new_fake_mode,
@@ -116,6 +119,13 @@ def _tracing_region(scope: Scope) -> Iterator[list[Scope]]:
         _TRACING.reset(token)
 
 
+# The user's own conversions: the casts they make are theirs, not autocast's.
+_CONVERSIONS = frozenset({
+    torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.double,
+    torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.cpu, torch.Tensor.cuda,
+})
+
+
 class _GuardTracing(TorchFunctionMode):
     """Refuses, while tracing, what would make a silently wrong graph: reading data that
     fake tensors do not have (`.numpy()`, `.tolist()`), tensor hooks (a graph holds none),
@@ -135,6 +145,7 @@ class _GuardTracing(TorchFunctionMode):
         super().__init__()
         self.transformed = transformed
         self.grad_off = False  # the call being run was made with grad disabled
+        self.autocasting = False  # the call being run is under autocast and not the user's own cast (`.to`)
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -159,11 +170,13 @@ class _GuardTracing(TorchFunctionMode):
             refuse_custom_function(arg)
         if self.transformed and func in self._DROPOUTS:
             return _dropout_as_under_transforms(func, *args, **kwargs)
-        previous, self.grad_off = self.grad_off, not torch.is_grad_enabled()
+        previous = self.grad_off, self.autocasting
+        self.grad_off = not torch.is_grad_enabled()
+        self.autocasting = func not in _CONVERSIONS and torch._C._is_any_autocast_enabled()
         try:
             out = func(*args, **kwargs)
         finally:
-            self.grad_off = previous
+            self.grad_off, self.autocasting = previous
         if func in self._DETACHES and isinstance(out, torch.Tensor):
             annotate(traced_node(out), USER_DETACH_KEY, True, producer_too=False)
         return out
@@ -217,6 +230,7 @@ class _Annotator:
         scope = state[1] if state is not None else 0
         in_backward = autograd_engine_running()  # the function runs torch.autograd.grad / .backward
         grad_off = not in_backward and (self.guard.grad_off or grad_disabled_by_code())  # no_grad, inference_mode...
+        autocasting = self.guard.autocasting
         for node in nodes:
             if line is not None:
                 annotate(node, SOURCE_KEY, line, overwrite=False)
@@ -226,6 +240,8 @@ class _Annotator:
                 annotate(node, BACKWARD_KEY, torch.is_grad_enabled(), producer_too=False)
             elif grad_off:
                 annotate(node, GRAD_OFF_KEY, True)
+            if autocasting and node.target is torch.ops.aten._to_copy.default:
+                annotate(node, AUTOCAST_CAST_KEY, True, producer_too=False)
         self._note_draws(next((n.graph for n in nodes if n is not None), None))
 
     def _note_draws(self, graph: torch.fx.Graph | None) -> None:
@@ -348,6 +364,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         return tensors_out
 
     under_transform = transforms_active()
+    # eager autocast casts a leaf that requires grad once per (outer) autocast context
+    autocast_caches = torch._C._is_any_autocast_enabled() and torch.is_autocast_cache_enabled()
     with tracing_isolated(), _tracing_region(Scope(policy, fn_name)) as scopes:
         mode = new_fake_mode()
         originals = list(call.tensors) + [call.captured[i] for i in slotted]
@@ -400,6 +418,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     _keep_used_captured(captured, call, slotted)
     _lift_constants(captured, call, fn_name, under_transform)
     random_fills_in_memory_order(gm)
+    if autocast_caches and not under_transform:
+        autocast_casts_of_leaves_cached(gm, [needs_grad(t) and t.is_leaf for t in originals])
     grad_free_values_as_constants(gm)
     inner_backwards_as_eager(gm)
     gm = captured.graph = functionalized(gm)
@@ -648,7 +668,7 @@ def differentiate(
             ) if pairs else [None for _ in diff_inputs]
         return [*outs, *grads]
 
-    with tracing_isolated():
+    with tracing_isolated(), autocast_off():
         mode = new_fake_mode()
         examples = [_fake_like(mode, v) for v in captured.input_values]
         for i in diff_inputs:
@@ -701,7 +721,7 @@ def functionalized(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         with preserve_node_meta():
             return _Refunctionalizing(gm).run(*flat)
 
-    with tracing_isolated():
+    with tracing_isolated(), autocast_off():
         mode = new_fake_mode()
         examples = [_fake_like(mode, n.meta["val"]) for n in gm.graph.nodes if n.op == "placeholder"]
         return trace_on_fakes(
