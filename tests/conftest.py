@@ -67,10 +67,10 @@ def check_every_graph(install: Callable[[Any, str, Any], None]) -> None:
     in a test, the builtin setattr in the worker processes of tests/test_differential.py."""
     from remat import _executing, _remat
     from remat._passes import check_invariants, check_layouts
-    from remat._torch_internals import fake_tensor_cache_bounded
+    from remat._torch_internals import autocast_off, fake_tensor_cache_bounded
 
     def check(*graphs: torch.fx.GraphModule) -> None:
-        with fake_tensor_cache_bounded():  # check_layouts runs ops on fakes
+        with fake_tensor_cache_bounded(), autocast_off():  # check_layouts runs ops on fakes, as the graphs run
             for gm in graphs:
                 check_invariants(gm)
                 check_layouts(gm)

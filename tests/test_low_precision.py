@@ -1,0 +1,124 @@
+"""Low precision is bitwise, as eager: bfloat16 and float16 parameters, and float32 under
+bfloat16 autocast, compared with torch.equal against the same code without remat.
+
+remat's graphs run the ops eager autograd runs, in the same dtypes and order: `.backward()`
+gets the derivatives `.backward()` runs (SiLU's fused `silu_backward`, not the composite
+formula a graph-building backward uses), autocast's casts are where eager puts them (one
+cast of a parameter per region, as autocast's cache makes it), and a region's graphs are
+never autocast twice.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model_zoo as Z
+import remat
+from remat import policies as P
+
+POLICIES = {"none": None, "nothing": P.nothing_saveable, "everything": P.everything_saveable, "dots": P.dots_saveable}
+
+
+def _bitwise(actual: Any, expected: Any) -> None:
+    for a, e in zip(actual, expected, strict=True):
+        assert a.dtype == e.dtype and torch.equal(a, e), f"{a.dtype}: differs by {(a.float() - e.float()).abs().max()}"
+
+
+def _block(x: torch.Tensor, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    h = F.silu(x @ w)
+    h = F.layer_norm(F.gelu(h), (h.shape[-1],), g)
+    return torch.softmax(h @ w.t(), -1) + F.mish(h).sigmoid() + F.softplus(h).tanh()
+
+
+OPS: dict[str, Callable[..., torch.Tensor]] = {
+    "silu": lambda x, w, g: F.silu(x),
+    "gelu": lambda x, w, g: F.gelu(x, approximate="tanh"),
+    "mish": lambda x, w, g: F.mish(x),
+    "layer_norm": lambda x, w, g: F.layer_norm(x, (x.shape[-1],), g),
+    "rms_norm": lambda x, w, g: F.rms_norm(x, (x.shape[-1],), g),
+    "log_softmax": lambda x, w, g: F.log_softmax(x @ w, -1),
+    "sdpa": lambda x, w, g: F.scaled_dot_product_attention(x[None], x[None], (x @ w)[None], is_causal=True)[0],
+    "block": _block,
+}
+
+
+def _grads(fn: Callable[..., torch.Tensor], dtype: torch.dtype, autocast: bool) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    leaf_dtype = torch.float32 if autocast else dtype
+    x, w, g = (torch.randn(*shape, generator=gen).to(leaf_dtype).requires_grad_() for shape in ((6, 16), (16, 16), (16,)))
+    if autocast:
+        with torch.autocast("cpu", dtype=dtype):
+            out = fn(x, w, g)
+    else:
+        out = fn(x, w, g)
+    cotangent = torch.randn(out.shape, generator=gen).to(out.dtype)
+    return [out.detach(), *torch.autograd.grad(out, [x, w, g], cotangent, allow_unused=True, materialize_grads=True)]
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+@pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.float16, False), (torch.bfloat16, True)], ids=["bf16", "fp16", "bf16-autocast"])
+@pytest.mark.parametrize("op", list(OPS))
+def test_low_precision_ops_are_bitwise(op: str, dtype: torch.dtype, autocast: bool, policy_name: str) -> None:
+    fn = OPS[op]
+    _bitwise(_grads(remat.remat(fn, policy=POLICIES[policy_name]), dtype, autocast), _grads(fn, dtype, autocast))
+
+
+def test_torch_s_cpu_autocast_checkpoint_case_is_bitwise() -> None:
+    """torch's own test of checkpointing under CPU bf16 autocast, as a user writes it: three
+    matmuls reusing their inputs (one of them three times), gradients compared bitwise."""
+    def foo(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        x = torch.mm(x, y)
+        y = torch.mm(x, z)
+        z = torch.mm(z, z)
+        return z, x, y
+
+    def run(fn: Callable[..., Any]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        leaves = [torch.randn(3, 3, requires_grad=True) for _ in range(3)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outs = fn(*leaves)
+            sum(o.sum() for o in outs).backward()  # inside the autocast region, as torch's test does
+        return [o.detach() for o in outs] + [leaf.grad for leaf in leaves]
+
+    for policy in POLICIES.values():
+        _bitwise(run(remat.remat(foo, policy=policy)), run(foo))
+
+
+def test_sdpa_with_dropout_under_autocast_is_bitwise() -> None:
+    def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+
+    def run(fn: Callable[..., torch.Tensor]) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(2, 2, 8, 16, requires_grad=True) for _ in range(3))
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(q, k, v)
+        out.float().pow(2).sum().backward()
+        return [out.detach(), q.grad, k.grad, v.grad, torch.rand(2)]  # type: ignore[list-item]
+
+    for policy in POLICIES.values():
+        _bitwise(run(remat.remat(attention, policy=policy)), run(attention))
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe"])
+def test_transformers_models_with_bf16_parameters_are_bitwise(name: str) -> None:
+    """Loss and every gradient of a bf16 model through checkpoint_layers (dropout on)."""
+    torch.manual_seed(0)
+    reference = getattr(Z, name)("sdpa").to(torch.bfloat16)
+    model = copy.deepcopy(reference)
+    remat.checkpoint_layers(model.model.layers, P.nothing_saveable)
+    ids = torch.randint(0, Z.VOCAB, (Z.BATCH, Z.SEQ), generator=torch.Generator().manual_seed(3))
+
+    def step(m: torch.nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        out = m(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return [out.loss.detach(), *(p.grad for p in m.parameters())]
+
+    _bitwise(step(model), step(reference))
