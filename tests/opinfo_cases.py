@@ -409,6 +409,75 @@ def _resized_call(
     return (str(index), "nothing", "specialized" if region.cache_info()["specialized"] > specialized else "traced")
 
 
+BF16 = torch.bfloat16
+BF16_OPS = {op_id(op): op for op in op_db if op.supports_autograd and BF16 in op.supported_dtypes("cpu")}
+# Ops whose bf16 results differ from eager's, each with the reason. Any other op that
+# differs fails the sweep.
+KNOWN_NOT_BITWISE = {
+    "nn.functional.rrelu": "training rrelu is the product of its input and the slopes it drew, rounded "
+    "in bf16, where the kernel rounds once (its functional form's derivative is wrong in torch 2.13)",
+}
+
+
+# Ops remat refuses in bf16 only, each with the reason.
+KNOWN_BF16_REFUSALS = {
+    "nn.functional.cosine_similarity": "in reduced precision ATen clamps the norms in place with grad off, "
+    "then differentiates through them as if unclamped, which no functional graph expresses",
+    "nn.functional.instance_norm": "the CPU batch-norm kernel keeps float32 statistics for bf16 input where its "
+    "meta function says bf16; the first-run check finds the graph parting from eager there",
+}
+
+
+def run_bf16_case(op_name: str) -> list[tuple[str, str, str]]:
+    """The op's first bf16 sample under `.backward()` with nothing_saveable: values and
+    gradients bitwise equal to no remat ("bitwise"), else "refused" or "torch-cant"; a
+    difference raises AssertionError unless the op is in KNOWN_NOT_BITWISE ("not bitwise")."""
+    op = BF16_OPS[op_name]
+    try:
+        sample = next(iter(op.sample_inputs("cpu", BF16, requires_grad=True)), None)
+    except NotImplementedError:  # the sample function itself cannot (chalf on CPU)
+        return [("0", "-", "torch-cant")]
+    case = make_case(op, sample) if sample is not None else None
+    if case is None:
+        return []
+    try:
+        expected = transform_backward(case.fn, case)
+    except Exception:
+        return [("0", "-", "torch-cant")]
+    where = f"{op_name}, bf16, backward, sample 0, nothing"
+    try:
+        actual = transform_backward(remat(case.fn, policy=P.nothing_saveable), case)
+    except RematError as error:
+        if op_name not in KNOWN_REFUSALS and op_name not in KNOWN_BF16_REFUSALS:
+            raise AssertionError(f"{where}: refused, and not a known refusal: {error}") from error
+        return [("0", "nothing", "refused")]
+    except Exception as error:
+        raise AssertionError(f"{where}: raised {type(error).__name__}: {error}") from error
+    if _bitwise(actual, expected):
+        return [("0", "nothing", "bitwise")]
+    if op_name in KNOWN_NOT_BITWISE:
+        torch.testing.assert_close(actual, expected, equal_nan=True)  # within bf16's tolerance
+        return [("0", "nothing", "not bitwise")]
+    raise AssertionError(f"{where}: not bitwise equal to no remat")
+
+
+def _bitwise(actual: Any, expected: Any) -> bool:
+    a_leaves, a_spec = optree.tree_flatten(actual)  # type: ignore[arg-type]
+    e_leaves, e_spec = optree.tree_flatten(expected)  # type: ignore[arg-type]
+    return a_spec == e_spec and all(
+        _same_bits(a, e) if isinstance(e, torch.Tensor) else a == e for a, e in zip(a_leaves, e_leaves)
+    )
+
+
+def _same_bits(a: torch.Tensor, e: torch.Tensor) -> bool:
+    """Equal dtype, shape and values, NaN where the other has NaN (complex by its parts)."""
+    if a.dtype != e.dtype or a.shape != e.shape:
+        return False
+    if a.is_complex():
+        a, e = torch.view_as_real(a.to(torch.complex64)), torch.view_as_real(e.to(torch.complex64))
+    return bool(torch.equal(a.isnan(), e.isnan()) and torch.equal(a.nan_to_num(), e.nan_to_num()))
+
+
 def main() -> None:
     """Run the whole sweep; print the outcome counts per transform and every failure."""
     import warnings

@@ -1,13 +1,13 @@
 """torch's OpInfo database as the oracle: every op that supports autograd in float64, its
 sample inputs, under vjp / .backward() / vmap(grad) / grad(grad) and the built-in
 policies, through a plan shared between two regions, and at other sizes (a template's
-specialized plans), against the same call without remat (see opinfo_cases.py). The outcome counts per transform are printed at the end of
-the run."""
+specialized plans), and in bf16 compared bitwise, against the same call without remat (see
+opinfo_cases.py). The outcome counts per transform are printed at the end of the run."""
 
 from __future__ import annotations
 
 import pytest
-from opinfo_cases import OPS, SHARED_TRANSFORMS, TRANSFORMS, run_case, run_resized_case, run_shared_case
+from opinfo_cases import BF16_OPS, OPS, SHARED_TRANSFORMS, TRANSFORMS, run_bf16_case, run_case, run_resized_case, run_shared_case
 
 pytestmark = [pytest.mark.opinfo, pytest.mark.filterwarnings("ignore")]  # torch's deprecation warnings, unmatched policies
 
@@ -36,3 +36,11 @@ def test_an_op_at_other_sizes_matches_no_remat(op_name: str, record_property: py
     template, later ones are specialized from it; each matches no remat."""
     rows = run_resized_case(op_name)
     record_property("opinfo", [("other sizes, backward", outcome) for _, _, outcome in rows])
+
+
+@pytest.mark.parametrize("op_name", list(BF16_OPS))
+def test_an_op_in_bf16_is_bitwise(op_name: str, record_property: pytest.RecordProperty) -> None:
+    """The op's first bf16 sample under .backward(): values and gradients bitwise equal to
+    no remat (the same ops in the same dtypes and order)."""
+    rows = run_bf16_case(op_name)
+    record_property("opinfo", [("bf16, backward", outcome) for _, _, outcome in rows])
