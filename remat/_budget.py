@@ -46,14 +46,15 @@ class Budget:
 def budget_of(scopes: Sequence[Scope]) -> Budget | None:
     """The region's budget when its policy is `memory_budget(...)`; nested regions without a
     policy of their own share it."""
-    if not scopes or not isinstance(scopes[0].policy, MemoryBudget):
-        if any(isinstance(s.policy, MemoryBudget) for s in scopes):
-            raise RematError(
-                "remat: a nested region has a memory_budget policy, but budgets choose for a whole "
-                "region: give the budget to the outermost remat, or give the nested one another policy."
-            )
+    outer = scopes[0].policy if scopes else None
+    if any(isinstance(s.policy, MemoryBudget) and s.policy != outer for s in scopes):
+        raise RematError(
+            "remat: a nested region has a memory_budget policy of its own, but budgets choose for a "
+            "whole region: give the budget to the outermost remat, or give the nested one another policy."
+        )
+    if not isinstance(outer, MemoryBudget):
         return None
-    policy = scopes[0].policy
+    policy = outer
     return Budget(policy.limit, frozenset(k for k, s in enumerate(scopes) if s.policy == policy))
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.fx
 
 from ._nodes import AUTOCAST_CAST_KEY, BACKWARD_KEY, FILL_LIKE_KEY, GRAD_OFF_KEY, USER_DETACH_KEY, comes_after, is_tuple, is_view
+from ._ops import VALUE_WITH_GRAD_OF
 from ._torch_internals import graph_module, new_fake_mode
 
 _aten = torch.ops.aten
@@ -130,6 +131,32 @@ def grad_free_values_as_constants(gm: torch.fx.GraphModule) -> None:
         for user in outside:
             user.replace_input_with(node, constant)
     graph.lint()
+
+
+def grad_free_write_as_value_with_grad(
+    graph: torch.fx.Graph,
+    write: torch.fx.Node,
+    written: torch.fx.Node,
+    aliases: Sequence[torch.fx.Node],
+    later: Sequence[torch.fx.Node],
+) -> torch.fx.Node:
+    """Before functionalization: `write` changes `written` in place with grad disabled, and
+    `later` read it (through `aliases`, the results of in-place ops on it) afterwards. They read instead the new values with the gradient of the
+    tensor as it was before the write (copied before it, a value autograd tracks), as
+    eager autograd differentiates them; returns the node they read."""
+    custom = {k: v for k, v in write.meta.get("custom", {}).items() if k != GRAD_OFF_KEY}
+    with graph.inserting_before(write):
+        before = graph.call_function(_aten.clone.default, (written,))
+    with graph.inserting_after(write):
+        after = graph.call_function(VALUE_WITH_GRAD_OF, (written, before))
+    for new in (before, after):
+        new.meta = {"custom": dict(custom)}
+        if "val" in written.meta:
+            new.meta["val"] = written.meta["val"].clone()
+    for reader in later:
+        for alias in aliases:
+            reader.replace_input_with(alias, after)
+    return after
 
 
 def inner_backwards_as_eager(gm: torch.fx.GraphModule) -> None:

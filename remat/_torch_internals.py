@@ -566,3 +566,9 @@ def below_a_vmap_refusing_randomness(tensors: Sequence[Any]) -> Iterator[None]:
         return
     with temporarily_pop_interpreter_stack():
         yield
+
+
+def below_autograd(keyset: Any) -> Any:
+    """The dispatch keys an op's Autograd kernel redispatches to, to run the op itself
+    (torch 2.13, as torch.library's custom ops do)."""
+    return keyset & torch._C._after_autograd_keyset

@@ -53,6 +53,7 @@ from ._nodes import (
 from ._passes import (
     autocast_casts_of_leaves_cached,
     grad_free_values_as_constants,
+    grad_free_write_as_value_with_grad,
     inner_backwards_as_eager,
     random_fills_in_memory_order,
     random_from_as_random_to,
@@ -395,7 +396,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         _refuse_stand_ins(fn_name, roots, out_info["static"], hooks.calls)
         _warn_changes(fn_name, fn, before)
     _reject_data_dependent_ops(gm, fn_name)
-    _reject_grad_free_writes(gm, fn_name, [f.requires_grad for f in fakes])
+    _grad_free_writes_as_values_with_grad(gm, fn_name, [f.requires_grad for f in fakes])
     _number_random_ops(gm)
     captured = Captured(
         graph=gm,
@@ -537,38 +538,58 @@ def _reject_data_dependent_ops(gm: torch.fx.GraphModule, fn_name: str) -> None:
             )
 
 
-def _reject_grad_free_writes(gm: torch.fx.GraphModule, fn_name: str, needs: Sequence[bool]) -> None:
+def _grad_free_writes_as_values_with_grad(gm: torch.fx.GraphModule, fn_name: str, needs: Sequence[bool]) -> None:
     """An in-place op run with grad disabled on a value autograd tracks changes its data
-    behind autograd's back: eager code then differentiates later reads as if the value
-    were unchanged, which no functional graph can express. Refused where something
-    computed with grad on reads the value afterwards."""
+    behind autograd's back: eager code's later reads see the new values, differentiated as
+    the old tensor (`cosine_similarity` clamps its norms so). Each such write read later
+    (with grad on, or by a further write) becomes a value with the old tensor's gradient;
+    refused where a view shares the tensor's memory (the write would reach it, and its
+    gradient, too)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tracked = {node for node, need in zip(placeholders, needs) if need}
-    for node in gm.graph.nodes:
-        if node.op != "call_function" or not any(i in tracked for i in node.all_input_nodes):
+    wrote = {  # an in-place op's result -> the tensor it wrote
+        n: n.args[0] for n in gm.graph.nodes
+        if n.op == "call_function" and writes_in_place(n) and isinstance(n.args[0], torch.fx.Node)
+    }
+
+    def tensor_of(node: torch.fx.Node) -> torch.fx.Node:
+        while node in wrote:
+            node = wrote[node]
+        return node
+
+    for node in list(gm.graph.nodes):
+        writes = node in wrote
+        if node.op != "call_function" or not any(tensor_of(i) in tracked for i in node.all_input_nodes):
             continue
         custom = node.meta.get("custom", {})
         if not custom.get(GRAD_OFF_KEY) and not custom.get(USER_DETACH_KEY):
             tracked.add(node)
-            if writes_in_place(node) and isinstance(node.args[0], torch.fx.Node):
-                tracked.add(node.args[0])
+            if writes:
+                tracked.add(tensor_of(node))
             continue
-        written = node.args[0] if writes_in_place(node) else None
-        if not isinstance(written, torch.fx.Node) or written not in tracked:
+        if not writes or tensor_of(node) not in tracked:
             continue
-        readers = [
-            u for u in (*written.users, *node.users)
-            if u is not node and u.op in ("call_function", "output")
-            and not u.meta.get("custom", {}).get(GRAD_OFF_KEY) and comes_after(gm.graph, u, node)
+        written = tensor_of(node)
+        aliases = [written, *(n for n in wrote if tensor_of(n) is written)]
+        later = [
+            u for a in aliases for u in a.users
+            if u is not node and u.op in ("call_function", "output") and comes_after(gm.graph, u, node)
         ]
-        if readers:
+        if not any(
+            u.op == "output" or not u.meta.get("custom", {}).get(GRAD_OFF_KEY) or (u in wrote and wrote[u] in aliases)
+            for u in later
+        ):
+            continue
+        if is_view(written) or any(is_view(u) for a in aliases for u in a.users):
             raise RematTraceError(
                 f"remat could not trace `{fn_name}`: at {custom.get(SOURCE_KEY, 'an unknown line')} it changes "
-                f"a tensor autograd tracks in place with grad disabled ({node.target}), then reads or returns it with "
-                "grad on. Eager autograd differentiates that as if the tensor had not changed, which a traced "
-                "graph cannot express. Make the change out of place (`y = y.clamp(...)` under no_grad gives a "
-                "constant), or apply it outside the remat'd function."
+                f"a tensor autograd tracks in place with grad disabled ({node.target}), and a view shares that "
+                "tensor's memory. Eager autograd differentiates the changed tensor and its views as if nothing "
+                "had changed, which a traced graph cannot express through views. Make the change out of place "
+                "(`y = y.clamp(...)` under no_grad gives a constant), or apply it outside the remat'd function."
             )
+        tracked.add(grad_free_write_as_value_with_grad(gm.graph, node, written, aliases, later))
+        wrote.update((u, u.args[0]) for u in later if u in wrote)  # later writes now write the new value
 
 
 def _insert_placeholder(gm: torch.fx.GraphModule, name: str, example: Any) -> torch.fx.Node:

@@ -2,9 +2,11 @@
 
 From an integer seed, `generate` writes a small random program as Python source: a function
 over float64 tensors built from aten-level ops and the Python constructs that trip a tracer
-(grad-mode blocks, module and tensor hooks, reseeding, side effects, nested regions), with
-a random policy and one or two torch.func transforms. The oracle is the same source run
-without remat. Source text, not closures, so that a failing program is saved as a
+(grad-mode blocks, module and tensor hooks, reseeding, random fills, side effects, nested
+regions), with a random policy and one or two torch.func transforms. The oracle is the same
+source run without remat. Some programs run in bfloat16, or in float32 under bfloat16
+autocast, and are compared bitwise: remat promises eager's aten ops in eager's dtypes and
+order, and low precision is where another order or dtype shows. Source text, not closures, so that a failing program is saved as a
 standalone file (tests/differential_harness.py, then the program) that runs exactly what
 failed.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import linecache
+import os
 import random
 import re
 import sys
@@ -36,7 +39,33 @@ HARNESS_PATH = Path(harness.__file__)
 REPRO_NAME = "repro_seed_{seed}.py"
 
 INPUTS = ("x", "y", "w")  # x and y are [3, 4]; w is [4, 4] and only ever a matrix operand
-TRANSFORMS = {"backward": 3, "grad": 2, "vjp": 2, "vmap_grad": 2, "grad_grad": 1, "jacrev": 1, "jvp": 1}
+TRANSFORMS = {
+    "backward": 3,
+    "grad": 2,
+    "vjp": 2,
+    "vmap_grad": 2,
+    "grad_grad": 1,
+    "double_backward": 1,
+    "jacrev": 1,
+    "jvp": 1,
+}
+# The dtype a program runs in, with weights: float64 compared with a tolerance, the others
+# bitwise. bfloat16 keeps float32's exponent range, so the ops below stay finite in it.
+# Low precision is drawn only when REMAT_DIFFERENTIAL_LOW_PRECISION=1: the survey it runs
+# finds ulp differences under bf16 autocast and in some bf16 backwards not yet resolved.
+PRECISIONS = (
+    {"float64": 75, "bfloat16": 15, "autocast": 10}
+    if os.environ.get("REMAT_DIFFERENTIAL_LOW_PRECISION") == "1"
+    else {"float64": 1}
+)
+AUTOCAST = 'torch.autocast("cpu", dtype=torch.bfloat16)'  # over float32 inputs
+# Where the autocast block is: around the region's call in the loss (forward only, as
+# training code writes it), inside the region, or around the whole transform (its
+# backward too).
+AUTOCAST_AT = ("main", "body", "call")
+# vmap's randomness: "same" with a batched input to a functional random op raises without
+# remat too (both raise); an in-place fill of a batched tensor draws one row for all.
+RANDOMNESS = ("different", "same")
 
 # Each op maps [3, 4] operands ({a}, {b}) and the [4, 4] input w to a [3, 4] result, so any
 # sequence composes. Arguments of sqrt, log, exp, division and prod are kept in range.
@@ -110,11 +139,40 @@ BINARY = {
     "einsum_batched": "torch.einsum('bij,bjk->bik', {a}.reshape(3, 1, 4), {b}.reshape(3, 4, 1)).reshape(3, 1) * {a}",
     "layer_norm_affine": "F.layer_norm({a}, (4,), {b}[0], {b}[1])",
 }
+# Ops that bfloat16 autocast runs in bfloat16 on CPU: an autocast program starts with one.
+AUTOCAST_OPS = (
+    "mm",
+    "matmul",
+    "matmul_op",
+    "bmm_w",
+    "einsum",
+    "linear",
+    "linear_bias",
+    "addmm",
+    "attention",
+    "bmm",
+    "einsum_batched",
+)
 RANDOM = (
     "F.dropout({a}, p=0.3, training=True)",
     "{a} + 0.1 * torch.randn_like({a})",
     "{a} * torch.rand_like({a})",
     "{a} * torch.bernoulli(torch.full_like({a}, 0.6))",
+)
+# In-place random fills of a fresh tensor (made like a value, so batched under vmap, or a
+# factory's, which vmap with randomness="different" refuses to fill without remat too) and
+# of a computed one (whose gradient the fill cuts).
+RANDOM_FILL = (
+    "{a} * torch.empty_like({a}).uniform_()",
+    "{a} + 0.1 * {a}.new_empty({a}.shape).normal_()",
+    "({a} * 1).bernoulli_(0.5) * {a}",
+    "{a} * torch.zeros_like({a}).exponential_()",
+    "{a} * {a}.new_empty({a}.shape).random_(3, 10) / 10",
+    "({a} * 1).uniform_(-1, 1) + {a}",
+    "({a} + 1).normal_(0, 0.5) * {a}",
+    "{a} * {a}.new_empty(3, 4).log_normal_(0, 0.25)",
+    "{a} * torch.empty_like({a}).geometric_(0.5) / 4",
+    "{a} * torch.empty(3, 4, dtype={a}.dtype).uniform_()",
 )
 FACTORY = (
     "torch.randn(3, 3, dtype=D) @ {a}",
@@ -135,7 +193,7 @@ INPLACE_VIEW = (
 )
 # The second output of a two-output body, which only vjp differentiates: some with an
 # infinite derivative where relu is zero, which a zero cotangent must not turn into NaN.
-AUX = ("torch.tanh({a})", "torch.sqrt(torch.relu({a}))", "torch.relu({a}) ** 1.5")
+AUX = ("torch.tanh({a})", "torch.sqrt(torch.relu({a}))", "torch.relu({a}) ** 1.5", "torch.log(torch.relu({a}))")
 ACTIVATIONS = {"Tanh": "torch.tanh", "GELU": "F.gelu", "SiLU": "F.silu", "Sigmoid": "torch.sigmoid"}  # module: function
 NAMES = ("h", "g")
 
@@ -161,6 +219,7 @@ CONSTRUCTS = (
     "nested_region",
     "checkpoint_name",
     "random_op",
+    "random_fill",
     "factory",
     "inplace",
     "inplace_view",
@@ -210,6 +269,7 @@ class Program:
     constructs: frozenset[str]  # those on
     transforms: tuple[str, ...]
     policy: str
+    precision: str  # a key of PRECISIONS
     random: bool  # whether it draws random numbers (a reseeding construct turned off still does)
     source: str  # the program section of a standalone file: imports and make_program
 
@@ -217,13 +277,13 @@ class Program:
         """A file that runs this program's comparison and asserts it is acceptable."""
         main = (
             '\n\nif __name__ == "__main__":\n'
-            "    outcome, detail = check(make_program, CONSTRUCTS)\n"
+            "    outcome, detail = check(make_program, CONSTRUCTS, EXACT)\n"
             f'    print(f"seed {self.seed}: {{outcome}} {{detail}}")\n'
             "    assert outcome in ACCEPTABLE, detail\n"
         )
         header = (
             f"# remat differential repro, seed {self.seed}: transforms {', '.join(self.transforms)}; "
-            f"policy {self.policy}.\n# Run it with `python {REPRO_NAME.format(seed=self.seed)}`; "
+            f"policy {self.policy}; {self.precision}.\n# Run it with `python {REPRO_NAME.format(seed=self.seed)}`; "
             "it asserts that remat matches the same program without remat.\n"
         )
         return header + HARNESS_PATH.read_text() + "\n\n# The program.\n" + self.source + main
@@ -263,15 +323,20 @@ class _Builder:
             self.consumed.add(value.name)
         return value
 
-    def op(self, *, grad: bool = True, a: Value | None = None) -> tuple[str, frozenset[str], frozenset[str]]:
-        """A random op's expression and the inputs it reads (differentiably)."""
+    def op(
+        self, *, grad: bool = True, a: Value | None = None, among: tuple[str, ...] | None = None
+    ) -> tuple[str, frozenset[str], frozenset[str]]:
+        """A random op's expression (of the ops named `among`, if given) and the inputs it
+        reads (differentiably)."""
         a = a or self.pick()
+        unary = {k: v for k, v in UNARY.items() if among is None or k in among}
+        binary = {k: v for k, v in BINARY.items() if among is None or k in among}
         if self.rng.random() < 0.45:
             b = self.pick()
-            expr = self.rng.choice(list(BINARY.values())).format(a=a.name, b=b.name)
+            expr = self.rng.choice(list(binary.values())).format(a=a.name, b=b.name)
             used = [a, b]
         else:
-            expr = self.rng.choice(list(UNARY.values())).format(a=a.name)
+            expr = self.rng.choice(list(unary.values())).format(a=a.name)
             used = [a]
         if reads_w(expr):
             used.append(self.w)
@@ -279,8 +344,16 @@ class _Builder:
         grads = frozenset().union(*(v.grad_inputs for v in used)) if grad else frozenset()
         return expr, inputs, grads
 
-    def assign(self, lines: list[str], indent: str, *, grad: bool = True, a: Value | None = None) -> Value:
-        expr, inputs, grads = self.op(grad=grad, a=a)
+    def assign(
+        self,
+        lines: list[str],
+        indent: str,
+        *,
+        grad: bool = True,
+        a: Value | None = None,
+        among: tuple[str, ...] | None = None,
+    ) -> Value:
+        expr, inputs, grads = self.op(grad=grad, a=a, among=among)
         value = Value(self.fresh(), inputs, grads)
         lines.append(f"{indent}{value.name} = {expr}")
         return value
@@ -300,6 +373,10 @@ class _Builder:
         if "jvp" in transforms:  # forward mode: nothing requires grad, so register_hook raises without remat too
             chosen.discard("tensor_hook")
         self.chosen = frozenset(chosen)
+        self.drawn_precision = rng.choices(list(PRECISIONS), list(PRECISIONS.values()))[0]
+        self.precision = "float64" if "precision" in self.off else self.drawn_precision  # shrink turns it off
+        self.autocast_at = rng.choice(AUTOCAST_AT)
+        self.randomness = rng.choice(RANDOMNESS)
 
         # What each transform differentiates (always x), and which inputs vmap batches.
         self.argnums = (0,) + tuple(i for i in (1, 2) if rng.random() < 0.5)
@@ -315,19 +392,25 @@ class _Builder:
         drawn_elsewhere = ("two_outputs", "module_hooks", "global_module_hook")  # by render and _module
         slots = ["op"] * rng.randint(0, 2) + sorted(c for c in self.chosen if c not in drawn_elsewhere)
         rng.shuffle(slots)
-        for slot in ["op"] + slots:
+        for slot in ["first_op"] + slots:
             getattr(self, f"_{slot}")()
 
         policy = rng.choice(_policies(tuple(self.names), "factory" in self.chosen))
         self.policy = "None" if "policy" in self.off else policy
         constructs = frozenset(c for c in self.chosen if self.on(c))
-        return Program(self.seed, constructs, transforms, self.policy, self.random, self.render())
+        return Program(self.seed, constructs, transforms, self.policy, self.precision, self.random, self.render())
 
     # Slots: each appends body lines (and setup lines) for one op or construct.
 
     def _op(self) -> None:
         lines: list[str] = []
         self.emit(lines, self.assign(lines, ""))
+
+    def _first_op(self) -> None:
+        """An op; under autocast one that autocast runs in bfloat16, else the program could
+        be float32 throughout."""
+        lines: list[str] = []
+        self.emit(lines, self.assign(lines, "", among=AUTOCAST_OPS if self.drawn_precision == "autocast" else None))
 
     def _block(self, construct: str, header: str) -> None:
         """An op inside the block that `header` opens, or plain."""
@@ -489,6 +572,11 @@ class _Builder:
         template = self.rng.choice(RANDOM)
         self._templated(template if self.on("random_op") else "{a} * 0.5")
 
+    def _random_fill(self) -> None:
+        template = self.rng.choice(RANDOM_FILL)
+        self.random = True
+        self._templated(template if self.on("random_fill") else "{a} * 0.5")
+
     def _factory(self) -> None:
         template = self.rng.choice(FACTORY)
         self._templated(template if self.on("factory") else "{a} * 0.5")
@@ -533,6 +621,10 @@ class _Builder:
             body += [f"out = {result}", f"return out, {aux}"]
         else:
             body.append(f"return {result}")
+        autocast = self.precision == "autocast"
+        if autocast and self.autocast_at == "body":
+            body = [f"with {AUTOCAST}:"] + [f"    {ln}" for ln in body]
+        dtype = {"float64": "torch.float64", "bfloat16": "torch.bfloat16", "autocast": "torch.float32"}[self.precision]
         freeze = ["from torch.testing._internal.common_utils import freeze_rng_state"]
         freeze = freeze if "freeze_rng_state" in self.chosen else []
         lines = [
@@ -545,7 +637,8 @@ class _Builder:
             "import remat",
             "from remat import policies as P",
             "",
-            "D = torch.float64",
+            f"D = {dtype}",
+            f"EXACT = {self.precision != 'float64'}  # {'bitwise' if self.precision != 'float64' else 'with a tolerance'}",
             f"SEED = {self.seed}",
             f"CONSTRUCTS = frozenset({sorted(c for c in self.chosen if self.on(c))!r})",
             "",
@@ -568,10 +661,13 @@ class _Builder:
         lines += ["    " + ln if ln else "" for ln in self.setup]
         lines += ["", "    def body(x, y, w):"] + [f"        {ln}" for ln in body]
         lines += ["", f"    f = remat.remat(body, policy={self.policy}) if use_remat else body", ""]
+        call = ["        out = f(x, y, w)"]
+        if autocast and self.autocast_at == "main":
+            call = [f"        with {AUTOCAST}:", "    " + call[0]]
         lines += [
             "    def main(x, y, w):",
             '        """The output the transforms differentiate, and the whole output as aux."""',
-            "        out = f(x, y, w)",
+            *call,
             f"        return {'out[0]' if two else 'out'}, out",
             "",
             "    def loss(x, y, w):",
@@ -581,12 +677,26 @@ class _Builder:
         ]
         for name in self.transforms:
             lines += ["    " + ln if ln else "" for ln in self._transform(name, two)] + [""]
+        wrap = "{t}"
+        if autocast and self.autocast_at == "call":
+            wrap = "under_autocast({t})"
+            lines += [
+                "    def under_autocast(call):",
+                '        """The transform with its backward under autocast too."""',
+                "",
+                "        def autocast_call():",
+                f"            with {AUTOCAST}:",
+                "                return call()",
+                "",
+                "        return autocast_call",
+                "",
+            ]
         lines += [
             "    def close():",
             "        for handle in handles:",
             "            handle.remove()",
             "",
-            f"    transforms = [{', '.join(f'({t!r}, {t})' for t in self.transforms)}]",
+            f"    transforms = [{', '.join(f'({t!r}, {wrap.format(t=t)})' for t in self.transforms)}]",
             '    state_read = {"attributes": state, "counter": lambda: counter}',
             '    return transforms, {"seen": seen, "effects": effects, "state": state_read}, close',
         ]
@@ -624,7 +734,7 @@ class _Builder:
             return [
                 "def vmap_grad():",
                 f"    per_example = torch.func.grad(loss, argnums={argnums}, has_aux=True)",
-                f"    batched = torch.func.vmap(per_example, in_dims={self.in_dims}, randomness='different')",
+                f"    batched = torch.func.vmap(per_example, in_dims={self.in_dims}, randomness={self.randomness!r})",
                 f"    grads, whole = batched({args})",
                 '    return {"out": whole, "grads": grads}',
             ]
@@ -637,6 +747,24 @@ class _Builder:
                 f"        return {tangents}",
                 "",
                 f'    return {{"grads": torch.func.grad(first, argnums={self.outer_argnums})(x, y, w)}}',
+            ]
+        if name == "double_backward":
+            flags = ", ".join(str(i in self.argnums) for i in range(3))
+            differentiated = ", ".join(f"args[{i}]" for i in self.argnums)
+            tangents = " + ".join(f"(g[{k}] * t{INPUTS[i]}).sum()" for k, i in enumerate(self.argnums))
+            return [
+                "def double_backward():",
+                '    """Second order through autograd: a create_graph=True backward, then .backward()."""',
+                f"    args = [t.clone().requires_grad_(r) for t, r in zip((x, y, w), ({flags}))]",
+                "    out, whole = main(*args)",
+                "    # zeros for an input the output does not read",
+                f"    g = torch.autograd.grad((out * cot).sum(), [{differentiated}], create_graph=True, materialize_grads=True)",
+                "    # x * 0 keeps a graph where the first gradients are constants (a linear body)",
+                f"    ({tangents} + (args[0] * 0).sum()).backward()",
+                "    grads = [t.grad for t in args + params]",
+                "    for p in params:",
+                "        p.grad = None",
+                '    return {"out": whole, "first": list(g), "grads": grads}',
             ]
         if name == "jacrev":
             return [
@@ -665,6 +793,7 @@ class Result:
     constructs: frozenset[str]
     transforms: tuple[str, ...]
     policy: str
+    precision: str
     random: bool
     seconds: float
 
@@ -675,7 +804,7 @@ def execute(program: Program) -> tuple[str, str]:
     linecache.cache[filename] = (len(program.source), None, program.source.splitlines(True), filename)
     namespace: dict[str, Any] = {"__name__": f"differential_{program.seed}"}
     exec(compile(program.source, filename, "exec"), namespace)  # noqa: S102 - the program is source by design
-    return harness.check(namespace["make_program"], namespace["CONSTRUCTS"])
+    return harness.check(namespace["make_program"], namespace["CONSTRUCTS"], namespace["EXACT"])
 
 
 def run_seed(seed: int, off: frozenset[str] = frozenset()) -> Result:
@@ -687,20 +816,29 @@ def run_seed(seed: int, off: frozenset[str] = frozenset()) -> Result:
         linecache.cache.pop(f"<differential seed {seed}>", None)
     seconds = time.perf_counter() - start
     return Result(
-        seed, outcome, detail, program.constructs, program.transforms, program.policy, program.random, seconds
+        seed,
+        outcome,
+        detail,
+        program.constructs,
+        program.transforms,
+        program.policy,
+        program.precision,
+        program.random,
+        seconds,
     )
 
 
 def shrink(seed: int) -> Result:
     """The failing seed's program with every construct turned off that it fails as before
-    without (the same failure_kind; one at a time, greedily), and the policy replaced by
-    None where that still fails so."""
+    without (the same failure_kind; one at a time, greedily), then the policy replaced by
+    None and the precision by float64 where that still fails so."""
     result = run_seed(seed)
     if result.outcome in harness.ACCEPTABLE:
         return result
     kind = failure_kind(result.detail)
     off: frozenset[str] = frozenset()
-    for construct in sorted(result.constructs, key=lambda c: c in REQUIRES.values()) + ["policy"]:
+    knobs = ["policy"] + (["precision"] if result.precision != "float64" else [])
+    for construct in sorted(result.constructs, key=lambda c: c in REQUIRES.values()) + knobs:
         trial = run_seed(seed, off | {construct})
         if trial.outcome not in harness.ACCEPTABLE and failure_kind(trial.detail) == kind:
             off, result = off | {construct}, trial
@@ -744,6 +882,7 @@ def survey(seeds: Iterable[int], report: Callable[[str], None] = print) -> list[
             small = shrink(r.seed)
             features = tuple(sorted(small.constructs)) + (("random draws",) if small.random else ())
             features += (small.policy.split("(")[0],) if small.policy != "None" else ()
+            features += (small.precision,) if small.precision != "float64" else ()
             groups.setdefault((failure_kind(small.detail), features), []).append(small)
     for (kind, constructs), members in sorted(groups.items(), key=lambda kv: -len(kv[1])):
         transforms = sorted({t for m in members for t in m.transforms})
@@ -768,7 +907,7 @@ def _main() -> None:
         r = run_seed(args.run) if args.run is not None else shrink(args.shrink)
         print(
             f"seed {r.seed}: {r.outcome} ({r.seconds:.2f} s) constructs {sorted(r.constructs)}"
-            f"{' (random draws)' if r.random else ''} transforms {list(r.transforms)} policy {r.policy}"
+            f"{' (random draws)' if r.random else ''} transforms {list(r.transforms)} policy {r.policy} {r.precision}"
         )
         if r.detail:
             print(f"  {r.detail}")

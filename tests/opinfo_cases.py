@@ -421,8 +421,6 @@ KNOWN_NOT_BITWISE = {
 
 # Ops remat refuses in bf16 only, each with the reason.
 KNOWN_BF16_REFUSALS = {
-    "nn.functional.cosine_similarity": "in reduced precision ATen clamps the norms in place with grad off, "
-    "then differentiates through them as if unclamped, which no functional graph expresses",
     "nn.functional.instance_norm": "the CPU batch-norm kernel keeps float32 statistics for bf16 input where its "
     "meta function says bf16; the first-run check finds the graph parting from eager there",
 }

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from remat import checkpoint_layers, checkpoint_name, compare, remat, report
+from remat import RematError, checkpoint_layers, checkpoint_name, compare, remat, report
 from remat import policies as P
 
 from conftest import assert_close
@@ -132,3 +132,18 @@ def test_bad_budgets_and_budgets_inside_other_policies_are_refused() -> None:
     x = torch.randn(3, 3, dtype=D, requires_grad=True)
     with pytest.raises(TypeError, match="chooses what a whole region keeps"):
         remat(lambda x: torch.tanh(x @ x), policy=P.memory_budget(10) | P.dots_saveable)(x)
+
+
+@pytest.mark.parametrize("outer", ["budget", "policy"])
+def test_a_nested_region_with_a_budget_of_its_own_is_refused(outer: str) -> None:
+    """A budget chooses for a whole region: a nested budget under an outer budget or an
+    outer policy is refused with the fix; the same budget nested shares the outer one."""
+    x = torch.randn(4, 4, dtype=D, requires_grad=True)
+    inner = remat(lambda h: torch.tanh(h @ h), policy=P.memory_budget(0.3))
+    outer_policy = P.memory_budget(0.7) if outer == "budget" else P.dots_saveable
+    with pytest.raises(RematError, match="nested region has a memory_budget policy of its own"):
+        remat(lambda x: inner(x.sin()).cos().sum(), policy=outer_policy)(x)
+    same = remat(lambda h: torch.tanh(h @ h), policy=P.memory_budget(0.3))
+    f = remat(lambda x: same(x.sin()).cos().sum(), policy=P.memory_budget(0.3))
+    expected = torch.autograd.grad(torch.tanh(x.sin() @ x.sin()).cos().sum(), x)
+    assert_close(torch.autograd.grad(f(x), x), expected)

@@ -1,6 +1,7 @@
 """Random programs against the same programs without remat (tests/differential.py).
 
-REMAT_DIFFERENTIAL_PROGRAMS sets how many programs run (seeds from BASE_SEED on), in test
+REMAT_DIFFERENTIAL_PROGRAMS sets how many programs run (seeds from REMAT_DIFFERENTIAL_START on,
+0 by default, so that a long survey can run in parts), in test
 cases of BATCH programs, spread over REMAT_DIFFERENTIAL_WORKERS worker processes (default:
 one per usable CPU), which check every graph as conftest does for a test (and, outside
 pytest, skip the structured-trace logging it turns on in torch). Each failing program is
@@ -29,7 +30,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning"),  # name policies may name values a program lacks
 ]
 
-BASE_SEED = 0
+BASE_SEED = int(os.environ.get("REMAT_DIFFERENTIAL_START", "0"))
 PROGRAMS = int(os.environ.get("REMAT_DIFFERENTIAL_PROGRAMS", "3000"))
 BATCH = 100
 STARTS = range(BASE_SEED, BASE_SEED + PROGRAMS, BATCH)
@@ -89,7 +90,8 @@ def _by_kind(failures: list[differential.Result]) -> list[str]:
         lines += [
             f"  {kind} ({len(members)}): seeds {' '.join(str(r.seed) for r in members)}",
             f"    constructs in these programs: {', '.join(f'{c} {n}' for c, n in counts)}",
-            f"    e.g. seed {first.seed} [{constructs}] {'+'.join(first.transforms)}, policy {first.policy}: "
+            f"    e.g. seed {first.seed} [{constructs}] {'+'.join(first.transforms)}, policy {first.policy}, "
+            f"{first.precision}: "
             + first.detail[:240],
         ]
     return lines

@@ -89,12 +89,42 @@ def _enable_grad_inside_no_grad(x: torch.Tensor, p: dict[str, torch.Tensor]) -> 
     return h * constant.tanh() + tracked + also_constant.cos()
 
 
+def _norm_clamped_in_place(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    """What `cosine_similarity` does inside: later reads see the clamped values,
+    differentiated as the norm before the clamp."""
+    norm = (x @ p["w"]).norm(dim=-1, keepdim=True).clone()
+    with torch.no_grad():
+        norm.clamp_min_(2.0)
+    return (x + p["b"]) / norm
+
+
+def _changed_twice_in_place(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    h = x @ p["w"]
+    with torch.no_grad():
+        h.mul_(0.5).clamp_(-0.6, 0.6)
+    h.add_(p["b"])  # then changed with grad on
+    with torch.no_grad():
+        h.tanh_()
+    return h * x.sin()
+
+
+def _changed_in_place_after_a_read(x: torch.Tensor, p: dict[str, torch.Tensor]) -> torch.Tensor:
+    h = (x @ p["w"] * p["b"]).sin()
+    before = h * 1.5  # read before the change: the old values
+    with torch.no_grad():
+        h.clamp_max_(0.2)
+    return h + before.cos()
+
+
 GRAD_MODES = {
     "no_grad": _no_grad_block,
     "set_grad_enabled": _set_grad_enabled_false,
     "inference_mode": _inference_mode,
     "no_grad_helper": _no_grad_helper,
     "enable_grad_inside": _enable_grad_inside_no_grad,
+    "norm_clamped_in_place": _norm_clamped_in_place,
+    "changed_twice_in_place": _changed_twice_in_place,
+    "changed_in_place_after_a_read": _changed_in_place_after_a_read,
 }
 
 
@@ -117,17 +147,37 @@ def test_an_output_computed_with_grad_off_does_not_require_grad() -> None:
     assert_close(stats, x.mean().detach())
 
 
-def test_an_in_place_change_with_grad_off_of_a_tracked_value_is_refused() -> None:
-    """Eager autograd differentiates a later read as if the value had not changed: no
-    functional graph says that, so remat refuses and names the line."""
-    def f(x: torch.Tensor) -> torch.Tensor:
+def test_an_in_place_change_with_grad_off_keeps_its_exact_value() -> None:
+    """The changed value is the value eager code reads, bit for bit, also where the old one
+    is infinite (a straight-through `x + (v - x).detach()` would read NaN there)."""
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         y = x * 2
         with torch.no_grad():
-            y.clamp_(-1, 1)
-        return (y * x).sum()
+            y.nan_to_num_(posinf=1.0).clamp_max_(0.5)
+        return y * w
 
-    x = torch.randn(5, dtype=D, requires_grad=True)
-    with pytest.raises(RematTraceError, match=r"test_python_channels.py:\d+ it changes .* in place with grad disabled \(aten.clamp_.default\)"):
+    x = torch.tensor([1.0, float("inf"), -3.0, 0.2, -0.0], dtype=D)
+    w = torch.randn(5, dtype=D)
+    for policy in CHANNEL_POLICIES.values():
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        f(a, w).sum().backward()
+        remat(f, policy=policy)(b, w).sum().backward()
+        assert torch.equal(f(x, w), remat(f, policy=policy)(x, w))
+        assert torch.equal(a.grad, b.grad)  # finite where x is infinite: 2 w
+
+
+def test_an_in_place_change_with_grad_off_through_a_view_is_refused() -> None:
+    """A write with grad off that a view shares reaches the view and its gradient too,
+    which remat does not express: refused, naming the line."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        row = y[0]
+        with torch.no_grad():
+            y.clamp_(-1, 1)
+        return (row * x[0]).sum() + y.sum()
+
+    x = torch.randn(3, 5, dtype=D, requires_grad=True)
+    with pytest.raises(RematTraceError, match=r"test_python_channels.py:\d+ it changes .* in place with grad disabled \(aten.clamp_.default\), and a view"):
         remat(f)(x)
 
 
