@@ -101,3 +101,19 @@ def test_vmap_with_unbatched_inputs_counts_each_gradient_once(policy_name: str) 
     per_sample = torch.func.vmap(grad(lambda p, x: region(p, x)[1].sum() + region(p, x)[0].sum()), in_dims=(None, 0))
     expected = torch.func.vmap(grad(lambda p, x: f(p, x)[1].sum() + f(p, x)[0].sum()), in_dims=(None, 0))
     assert_close(per_sample(p, xs), expected(p, xs))
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_second_order_through_layer_norm_returned_beside_its_input(policy_name: str) -> None:
+    """layer_norm's mean and rstd are outputs nobody differentiates: a second order never
+    asks for their derivative (which torch does not implement)."""
+    def loss(fn: Callable[..., Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+        def inner(x: torch.Tensor) -> torch.Tensor:
+            normed, same = fn(x)
+            return (normed.sin() * same).sum()
+        return inner
+
+    f = lambda x: (torch.nn.functional.layer_norm(x, (4,)), x)  # noqa: E731
+    x = torch.randn(3, 4, dtype=D)
+    second = lambda fn: grad(lambda x: grad(loss(fn))(x).pow(2).sum())(x)  # noqa: E731
+    assert_close(second(remat(f, policy=POLICIES[policy_name])), second(f))
