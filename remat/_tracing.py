@@ -419,7 +419,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     _keep_used_captured(captured, call, slotted)
     _lift_constants(captured, call, fn_name, under_transform)
     random_fills_in_memory_order(gm)
-    if autocast_caches and not under_transform:
+    if autocast_caches:
         autocast_casts_of_leaves_cached(gm, [needs_grad(t) and t.is_leaf for t in originals])
     grad_free_values_as_constants(gm)
     inner_backwards_as_eager(gm)

@@ -106,6 +106,36 @@ def test_sdpa_with_dropout_under_autocast_is_bitwise() -> None:
         _bitwise(run(remat.remat(attention, policy=policy)), run(attention))
 
 
+@pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_an_input_autocast_casts_twice_under_a_transform_is_bitwise(policy_name: str, transform: str) -> None:
+    """Under torch.func, a transform's input is a leaf that requires grad, which eager
+    autocast casts once for all its uses (its cast cache), as it does a parameter: `x`
+    here feeds a matmul and a module's Linear, whose gradients sum in bf16 before one cast."""
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU())
+    xs, ws, cotangent = torch.randn(2, 3, 4), torch.randn(2, 4, 4), torch.randn(3, 4)
+
+    def body(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w + layer(x)
+
+    def run(fn: Callable[..., torch.Tensor]) -> Any:
+        def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = fn(x, w)
+            return (out * cotangent).sum()
+
+        if transform == "grad":
+            return torch.func.grad(loss, argnums=(0, 1))(xs[0], ws[0])
+        if transform == "vmap_grad":
+            return torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(xs, ws)
+        x, w = xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()
+        loss(x, w).backward()
+        return x.grad, w.grad
+
+    _bitwise(run(remat.remat(body, policy=POLICIES[policy_name])), run(body))
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe"])
 def test_transformers_models_with_bf16_parameters_are_bitwise(name: str) -> None:
     """Loss and every gradient of a bf16 model through checkpoint_layers (dropout on)."""
