@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from . import policies
 from ._arguments import RematStateWarning
+from ._asking import RematPolicyWarning
 from ._caching import RematRetraceWarning, clear_cache
 from ._comparing import Comparison, compare, format_comparison, plot_frontier
 from ._debugging import RecomputeMismatchError
@@ -16,7 +17,6 @@ from ._inspecting import Recompute, Report, Residual, print_saved_residuals, rep
 from ._layers import checkpoint_layers, policy_schedule
 from ._measuring import saved_tensor_bytes
 from ._naming import checkpoint_name
-from ._partitioning import RematPolicyWarning
 from ._remat import Rematerialized, RematerializedModule, checkpoint, remat, using_policy, without_remat
 
 __all__ = [

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterator, Sequence
 import optree
 import torch
 
-from ._caching import TRACE_LOCK
 from ._errors import RematError
+from ._locking import TRACE_LOCK
 from ._torch_internals import autocast_state, nested_gradients, transform_levels, transforms_active
 
 

@@ -22,7 +22,7 @@ from remat.policies import MemoryBudget
 
 from ._errors import RematError
 from ._nodes import SCOPE_KEY
-from ._tracing import Scope
+from ._records import Scope
 
 EXACT_UP_TO = 12  # candidates for which every subset is tried (4,096 walks of the graph)
 

@@ -8,17 +8,16 @@ no lock. A function that keeps tracing gets a `RematRetraceWarning` saying what 
 from __future__ import annotations
 
 import inspect
-import threading
 import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from ._locking import TRACE_LOCK
 from ._sharing import clear_shared_plans
 from ._torch_internals import drop_fake_cache_entries
 
-TRACE_LOCK = threading.RLock()
 DEFAULT_CACHE_SIZE = 64  # plans per function and policy; the least recently used goes first
 RETRACE_WARNING_AFTER = 8  # traces of one function before the first warning (then 16, 32, ...)
 

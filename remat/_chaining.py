@@ -21,8 +21,8 @@ import torch
 
 from ._nodes import is_random
 from ._randomness import steps_of
+from ._records import Captured
 from ._torch_internals import graph_module
-from ._tracing import Captured
 
 
 class Runnable(Protocol):

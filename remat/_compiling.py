@@ -23,9 +23,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from remat.policies import MemoryBudget, Offload
 
+from ._asking import answer_of
 from ._errors import RematError
 from ._nodes import meta_arguments, meta_like, producer
-from ._partitioning import answer_of
 from ._torch_internals import dispatch_modes_off, tracing_node, transforms_active_while_compiling
 
 

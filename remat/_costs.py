@@ -15,6 +15,7 @@ import torch.fx
 from torch.utils.flop_counter import flop_registry
 
 from ._nodes import is_view, meta_arguments
+from ._torch_internals import OpOverload
 
 _aten = torch.ops.aten
 # Ops torch's registry does not list but whose formula is that of a listed one (torch 2.13).
@@ -27,7 +28,7 @@ def _elements(value: Any) -> int:
 
 def flops(node: torch.fx.Node) -> int:
     """FLOPs to run `node` once (0 for views and non-ops)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload) or is_view(node):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload) or is_view(node):
         return 0
     packet = node.target.overloadpacket
     formula = flop_registry.get(_SAME_FORMULA.get(packet, packet))
@@ -39,3 +40,16 @@ def flops(node: torch.fx.Node) -> int:
         except Exception:  # a formula that does not fit these arguments: fall back to the size
             pass
     return _elements(out)
+
+
+def nbytes_of(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a dense tensor of this shape and dtype."""
+    count = 1
+    for size in shape:
+        count *= size
+    return count * dtype.itemsize
+
+
+def value_bytes(value: Any) -> int:
+    """Bytes of a traced value (0 for what is not a tensor)."""
+    return nbytes_of(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else 0

@@ -16,14 +16,16 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ._caching import TRACE_LOCK
 from ._errors import RematError
 from ._graph_code import direct_code
 from ._layouts import run_checked
+from ._locking import TRACE_LOCK
 from ._nodes import DIFFERENTIABLE_KEY, is_random
 from ._partitioning import Partition, partition
 from ._passes import without_absent_cotangents
+from ._records import Captured
 from ._torch_internals import (
+    any_autocast_enabled,
     apply_function,
     autocast_off,
     batched_at,
@@ -33,7 +35,7 @@ from ._torch_internals import (
     transforms_active,
     vmap_randomness_different,
 )
-from ._tracing import Captured, vjp_of_graph
+from ._tracing import vjp_of_graph
 
 
 def _is_float(value: Any) -> bool:
@@ -61,7 +63,7 @@ class Plan:
     def run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
         """Run one of this plan's graphs; its first run checks layouts against the trace.
         A graph holds autocast's casts already: under autocast it runs with autocast off."""
-        if torch._C._is_any_autocast_enabled():
+        if any_autocast_enabled():
             with autocast_off():
                 return self._run(gm, *inputs)
         return self._run(gm, *inputs)

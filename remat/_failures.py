@@ -16,15 +16,15 @@ from typing import Any, Sequence
 
 import optree
 import torch
-from torch._subclasses.fake_tensor import (
+
+from ._errors import RematError, RematTraceError
+from ._torch_internals import (
     DataDependentOutputException,
     DynamicOutputShapeException,
     UnsupportedFakeTensorException,
     UnsupportedOperatorException,
+    is_custom_op_autograd,
 )
-
-from ._errors import RematError, RematTraceError
-from ._torch_internals import is_custom_op_autograd
 
 _LIBRARY_DIRS = (
     os.path.dirname(torch.__file__),

@@ -25,11 +25,11 @@ from typing import Any, Iterator, Sequence
 
 import optree
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
 from ._errors import RematError, RematTraceError
 from ._torch_internals import (
     GLOBAL_FORWARD_HOOK_TABLES,
+    FakeTensor,
     calling_modules_through,
     global_forward_hook_table,
     hook_registrations,

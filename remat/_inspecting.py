@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 import optree
 import torch
 
+from ._costs import nbytes_of
+
 if TYPE_CHECKING:
     from ._chaining import Runnable
     from ._executing import Plan
@@ -129,18 +131,6 @@ def human_flops(count: int) -> str:
     return f"{count} "
 
 
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    count = 1
-    for s in shape:
-        count *= s
-    return count * dtype.itemsize
-
-
-def value_bytes(value: Any) -> int:
-    """Bytes of a traced value (0 for what is not a tensor)."""
-    return _nbytes(tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else 0
-
-
 def plan_report(plan: Plan) -> Report:
     """What one plan keeps (kept inputs, then kept values) and recomputes."""
     captured = plan.captured
@@ -149,11 +139,11 @@ def plan_report(plan: Plan) -> Report:
         val = captured.input_values[i]
         shape = tuple(val.shape)
         report.residuals.append(
-            Residual(shape, val.dtype, _nbytes(shape, val.dtype), "input", None, None, captured.input_paths[i], plan.region)
+            Residual(shape, val.dtype, nbytes_of(shape, val.dtype), "input", None, None, captured.input_paths[i], plan.region)
         )
     for kept in plan.part.kept:
         region = captured.scopes[kept.scope].region
-        nbytes = _nbytes(kept.shape, kept.dtype)
+        nbytes = nbytes_of(kept.shape, kept.dtype)
         report.residuals.append(Residual(kept.shape, kept.dtype, nbytes, kept.kind, kept.op, kept.name, kept.source, region))
     for op in plan.part.recomputed:
         report.recomputes.append(Recompute(op.op, op.source, op.flops, captured.scopes[op.scope].region))

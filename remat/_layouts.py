@@ -24,7 +24,7 @@ import torch.fx
 
 from ._errors import RematError
 from ._nodes import SOURCE_KEY, is_view, producer
-from ._torch_internals import has_batched_level
+from ._torch_internals import OpOverload, has_batched_level
 
 _MEMORY_ORDER_OPS = {torch.ops.aten.as_strided, torch.ops.aten.as_strided_copy, torch.ops.aten.as_strided_scatter}
 
@@ -77,7 +77,7 @@ class _LayoutCheck(torch.fx.Interpreter):
         op = producer(n).target
         traced = n.meta.get("val")
         if not isinstance(out, torch.Tensor) or not isinstance(traced, torch.Tensor) or not (
-            n.op == "placeholder" or isinstance(op, torch._ops.OpOverload)
+            n.op == "placeholder" or isinstance(op, OpOverload)
         ):
             if upstream is not None:  # a tuple of values, or remat's own step: passes the mark on
                 self.differs[n] = upstream

@@ -19,9 +19,10 @@ import torch.fx
 from ._errors import RematTraceError
 from ._nodes import SOURCE_KEY, comes_after
 from ._passes import argument
+from ._torch_internals import OpOverload
 
 if TYPE_CHECKING:
-    from ._tracing import Captured
+    from ._records import Captured
 
 _aten = torch.ops.aten
 # Batch norms in training mode that update running statistics in place. All take
@@ -45,7 +46,7 @@ _UNDECLARED_MUTATIONS = {
 
 
 def _mutated_arguments(node: torch.fx.Node) -> list[Any]:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return []
     if node.target in _UNDECLARED_MUTATIONS and node.args[5]:  # training: updates the statistics
         return [node.args[i] for i in _UNDECLARED_MUTATIONS[node.target]]
@@ -128,7 +129,7 @@ class _Twin:
     own result (None: the whole output), `written` maps each written argument's position
     to the output index holding its new value (None: the whole output)."""
 
-    op: torch._ops.OpOverload
+    op: OpOverload
     result: int | None
     written: dict[int, int | None]
 
@@ -140,7 +141,7 @@ _TWINS = {
 }
 
 
-def _functional_twin(op: torch._ops.OpOverload) -> _Twin | None:
+def _functional_twin(op: OpOverload) -> _Twin | None:
     """`aten.transpose.int` for `aten.transpose_.default`: the out-of-place op of the same
     name without the trailing underscore whose arguments match."""
     if op in _TWINS:

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import operator
 from typing import TypeVar
 
 import optree
 import torch
 
+from ._nodes import NAME_KEY, annotate
 from ._recording import traced_node
 
-NAME_KEY = "remat_name"
 T = TypeVar("T")
 
 
@@ -39,24 +38,3 @@ def checkpoint_name(x: T, name: str) -> T:
         if isinstance(leaf, torch.Tensor):
             annotate(traced_node(leaf), NAME_KEY, name)
     return x
-
-
-def annotate(
-    node: torch.fx.Node | None, key: str, value: object, overwrite: bool = True, producer_too: bool = True
-) -> None:
-    """Write `key` in the node's custom meta, which retraces carry over to the new graph.
-
-    An output of a multi-output op is a getitem node that retraces rebuild from the op's
-    node, so the op's node gets the annotation too (unless `producer_too` is False).
-    """
-    while node is not None:
-        custom = node.meta.get("custom", {})
-        if overwrite or key not in custom:
-            node.meta["custom"] = {**custom, key: value}
-        is_item = producer_too and node.op == "call_function" and node.target is operator.getitem
-        node = node.args[0] if is_item else None  # type: ignore[assignment]
-
-
-def node_name(node: torch.fx.Node) -> str | None:
-    """The checkpoint_name written on a traced node, if any."""
-    return node.meta.get("custom", {}).get(NAME_KEY)

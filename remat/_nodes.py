@@ -9,7 +9,7 @@ import optree
 import torch
 import torch.fx
 
-from ._torch_internals import size_hint
+from ._torch_internals import OpOverload, size_hint
 
 # What tracing writes in node.meta["custom"], which retraces carry over to new graphs.
 SOURCE_KEY = "remat_source"  # the user's file:line that ran the op
@@ -20,6 +20,7 @@ USER_DETACH_KEY = "remat_user_detach"  # a `detach` the function's code calls (n
 RNG_STREAM_KEY = "remat_rng_stream"  # a random op's (draw number, generator, the stream it draws from)
 FILL_LIKE_KEY = "remat_fill_like"  # a random fill drawn into a fresh tensor, where eager filled one made like another
 AUTOCAST_CAST_KEY = "remat_autocast_cast"  # a cast autocast made (not the user's `.to`)
+NAME_KEY = "remat_name"  # the name checkpoint_name gave the value
 GRAD_OFF_KEY = "remat_grad_off"  # computed with grad disabled (no_grad, inference_mode): a constant of backward
 
 
@@ -32,14 +33,14 @@ def producer(node: torch.fx.Node) -> torch.fx.Node:
 
 def is_view(node: torch.fx.Node) -> bool:
     op = producer(node).target
-    return isinstance(op, torch._ops.OpOverload) and op.is_view
+    return isinstance(op, OpOverload) and op.is_view
 
 
 def is_random(node: torch.fx.Node) -> bool:
     """Whether the op draws random numbers (attention with dropout_p=0 does not)."""
     node = producer(node)
     op = node.target
-    if not (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
+    if not (isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
         return False
     names = [a.name for a in op._schema.arguments]
     if "dropout_p" in names:
@@ -85,3 +86,24 @@ def comes_after(graph: torch.fx.Graph, a: torch.fx.Node, b: torch.fx.Node) -> bo
         if node is a:
             return False
     return False
+
+
+def annotate(
+    node: torch.fx.Node | None, key: str, value: object, overwrite: bool = True, producer_too: bool = True
+) -> None:
+    """Write `key` in the node's custom meta, which retraces carry over to the new graph.
+
+    An output of a multi-output op is a getitem node that retraces rebuild from the op's
+    node, so the op's node gets the annotation too (unless `producer_too` is False).
+    """
+    while node is not None:
+        custom = node.meta.get("custom", {})
+        if overwrite or key not in custom:
+            node.meta["custom"] = {**custom, key: value}
+        is_item = producer_too and node.op == "call_function" and node.target is operator.getitem
+        node = node.args[0] if is_item else None  # type: ignore[assignment]
+
+
+def node_name(node: torch.fx.Node) -> str | None:
+    """The checkpoint_name written on a traced node, if any."""
+    return node.meta.get("custom", {}).get(NAME_KEY)

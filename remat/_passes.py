@@ -19,9 +19,18 @@ from typing import Any, Iterable, Sequence
 import torch
 import torch.fx
 
-from ._nodes import AUTOCAST_CAST_KEY, BACKWARD_KEY, FILL_LIKE_KEY, GRAD_OFF_KEY, USER_DETACH_KEY, comes_after, is_tuple, is_view
+from ._nodes import (
+    AUTOCAST_CAST_KEY,
+    BACKWARD_KEY,
+    FILL_LIKE_KEY,
+    GRAD_OFF_KEY,
+    USER_DETACH_KEY,
+    comes_after,
+    is_tuple,
+    is_view,
+)
 from ._ops import VALUE_WITH_GRAD_OF
-from ._torch_internals import graph_module, new_fake_mode
+from ._torch_internals import OpOverload, graph_module, new_fake_mode
 
 _aten = torch.ops.aten
 
@@ -400,7 +409,7 @@ def argument(node: torch.fx.Node, position: int, default: Any) -> Any:
 
 def writes_in_place(node: torch.fx.Node) -> bool:
     """Whether an op node writes one of its arguments (its schema says so)."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return False
     return any(a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments)
 
@@ -510,7 +519,7 @@ def check_layouts(gm: torch.fx.GraphModule) -> None:
     strides) is not what the op gives, on fake tensors, for its recorded inputs: a rewrite
     that built a node with the wrong metadata would make the graph run otherwise than traced."""
     for node in gm.graph.nodes:
-        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        if node.op != "call_function" or not isinstance(node.target, OpOverload):
             continue
         recorded = node.meta.get("val")
         if not isinstance(recorded, torch.Tensor) or recorded.layout != torch.strided:  # sparse: no strides

@@ -18,9 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 
-from ._torch_internals import SYMBOLIC_SCALARS
+from ._torch_internals import SYMBOLIC_SCALARS, FakeTensor
 
 _DEPTH = 6
 # A module's own tables: its tensors (read afresh on every call) and its submodules (walked as such).

@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._torch_internals import (
+    FakeTensor,
     active_dispatch_modes,
     autograd_would_decompose,
     dispatch_modes_active,

@@ -13,8 +13,9 @@ import torch
 from remat.policies import MemoryBudget
 
 from ._arguments import Call, CaptureMemo, positional_names, split_call
+from ._asking import policy_decider, warn_unmatched_references
 from ._budget import budget_of
-from ._caching import DEFAULT_CACHE_SIZE, MISSING, TRACE_LOCK, PlanCache, clear_cache, plan_cache
+from ._caching import DEFAULT_CACHE_SIZE, MISSING, PlanCache, clear_cache, plan_cache
 from ._chaining import Chain, Runnable, split_at_outputs
 from ._compiling import (
     call_under_compile,
@@ -26,7 +27,9 @@ from ._compiling import (
 from ._executing import Plan, eager_under_vmap
 from ._hooks import call_hooks
 from ._inspecting import record
-from ._partitioning import partition, policy_decider, warn_unmatched_references
+from ._locking import TRACE_LOCK
+from ._partitioning import partition
+from ._records import Captured
 from ._sharing import graph_signature, share_plan, shared_plan
 from ._specializing import Templates
 from ._torch_internals import (
@@ -37,7 +40,7 @@ from ._torch_internals import (
     nested_gradients,
     transforms_active,
 )
-from ._tracing import Captured, differentiate, inside_trace, nested_region
+from ._tracing import differentiate, inside_trace, nested_region
 
 
 def _normalise_argnums(static_argnums: int | Iterable[int]) -> frozenset[int]:

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx
 
+from ._torch_internals import OpOverload
+
 if TYPE_CHECKING:
-    from ._tracing import Captured
+    from ._records import Captured
 
 _SHARED: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDictionary()
 
@@ -71,7 +73,7 @@ def _traced_value(value: Any) -> Any:
 
 
 def _target(target: Any) -> Any:
-    if isinstance(target, torch._ops.OpOverload) or target is operator.getitem:
+    if isinstance(target, OpOverload) or target is operator.getitem:
         return target
     raise _Unshareable(repr(target))
 

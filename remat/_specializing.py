@@ -25,6 +25,7 @@ import torch.fx
 
 from ._arguments import Call
 from ._chaining import split_at_outputs
+from ._records import Captured
 from ._torch_internals import (
     SYMBOLIC_SCALARS,
     fake_of_layout,
@@ -37,7 +38,7 @@ from ._torch_internals import (
     symbolic_tracing,
     transforms_active,
 )
-from ._tracing import Captured, capture, differentiate
+from ._tracing import capture, differentiate
 
 
 class _NoTemplate(Exception):

@@ -14,6 +14,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+# torch's private classes remat checks values against (torch 2.13)
+from torch._ops import OpOverload as OpOverload
+from torch._subclasses.fake_tensor import DataDependentOutputException as DataDependentOutputException
+from torch._subclasses.fake_tensor import DynamicOutputShapeException as DynamicOutputShapeException
+from torch._subclasses.fake_tensor import FakeTensor as FakeTensor
+from torch._subclasses.fake_tensor import UnsupportedFakeTensorException as UnsupportedFakeTensorException
+from torch._subclasses.fake_tensor import UnsupportedOperatorException as UnsupportedOperatorException
+
 
 def torch_at_least(version: str) -> bool:
     """Whether the running torch is `version` or newer (the suite's floor is 2.13; the GPU
@@ -260,6 +268,11 @@ def fake_of_layout(
     else:
         meta = torch.empty(offset + storage_extent(shape, stride), dtype=dtype, device="meta").as_strided(shape, stride, offset)
     return FakeTensor(mode, meta, device)
+
+
+def any_autocast_enabled() -> bool:
+    """Whether autocast is on for any device (one cheap check: torch 2.13)."""
+    return bool(torch._C._is_any_autocast_enabled())
 
 
 def autocast_state() -> tuple[Any, ...]:

@@ -19,7 +19,6 @@ import operator
 import sys
 import types
 import warnings
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import optree
@@ -29,12 +28,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._arguments import Call, RematStateWarning, in_a_library, needs_grad
-from ._hooks import HookCall, HookRecorder, HookSet
-from ._reachable import Snapshot, roots_of, stand_in_path
 from ._errors import RematTraceError
 from ._failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_line
+from ._hooks import HookCall, HookRecorder
 from ._mutations import functionalize_remaining_mutations, outputs_for_mutations
-from ._naming import annotate
 from ._nodes import (
     AUTOCAST_CAST_KEY,
     BACKWARD_KEY,
@@ -45,6 +42,7 @@ from ._nodes import (
     SCOPE_KEY,
     SOURCE_KEY,
     USER_DETACH_KEY,
+    annotate,
     comes_after,
     is_random,
     is_view,
@@ -61,9 +59,12 @@ from ._passes import (
     writes_in_place,
     writes_out_of_place,
 )
-from ._randomness import RNG_KEY, DrawTracker, Source
+from ._randomness import RNG_KEY, DrawTracker
+from ._reachable import Snapshot, roots_of, stand_in_path
 from ._recording import active_recorder, record, traced_node
+from ._records import Captured, Scope
 from ._torch_internals import (
+    any_autocast_enabled,
     autocast_off,
     autograd_engine_running,
     grad_disabled_by_code,
@@ -76,15 +77,6 @@ from ._torch_internals import (
     transforms_active,
     unwrap_transforms,
 )
-
-
-@dataclass(frozen=True)
-class Scope:
-    """A remat region met while tracing: the outermost one, or one nested inside it."""
-
-    policy: Callable[..., bool] | None
-    region: str
-
 
 # While a function is being traced: the regions met so far and the index of the innermost
 # active one. None when not tracing.
@@ -173,7 +165,7 @@ class _GuardTracing(TorchFunctionMode):
             return _dropout_as_under_transforms(func, *args, **kwargs)
         previous = self.grad_off, self.autocasting
         self.grad_off = not torch.is_grad_enabled()
-        self.autocasting = func not in _CONVERSIONS and torch._C._is_any_autocast_enabled()
+        self.autocasting = func not in _CONVERSIONS and any_autocast_enabled()
         try:
             out = func(*args, **kwargs)
         finally:
@@ -279,37 +271,6 @@ class _AnnotatingMode(TorchDispatchMode):
         return out
 
 
-@dataclass
-class Captured:
-    """The stage-1 graph of one function and what it needs per call."""
-
-    graph: torch.fx.GraphModule
-    n_explicit: int  # graph inputs [0, n_explicit) are the call's tensors, in order
-    lifted: list[int]  # then these captured candidates (indices into Call.captured)
-    by_reference: list[torch.Tensor]  # then these tensors, captured from globals or attributes
-    input_paths: list[str]
-    out_spec: Any
-    out_static: list[Any]  # output leaves; None where a tensor goes
-    n_outputs: int  # tensor outputs of the user function
-    mutated: list[int]  # graph inputs whose new values follow the outputs
-    input_needs_grad: list[bool] = field(default_factory=list)
-    scopes: list[Scope] = field(default_factory=list)  # [0] is the region itself, then nested ones
-    input_values: list[Any] = field(default_factory=list)  # fake example of each graph input
-    reads_storage_offsets: bool = False  # as_strided reads an input: plans are per storage offset
-    output_differentiable: list[bool] = field(default_factory=list)  # per tensor output: tracked by autograd
-    # each generator's stream when the function returns; None: every draw continues the stream
-    rng_end: dict[str, Source] | None = field(default_factory=dict)
-    n_hook_outputs: int = 0  # the last of the n_outputs: what module hooks are given (`_hooks`)
-    hook_calls: list[HookCall] = field(default_factory=list)
-    hooks: HookSet | None = None  # the hooks of the modules the trace called
-    fills_like: bool = False  # a random fill of a tensor made like another (see _executing.eager_under_vmap)
-
-    def graph_inputs(self, call: Call) -> list[torch.Tensor]:
-        """The call's tensors in this graph's input order: its arguments, the captured tensors
-        the graph reads, then the tensors it holds by reference."""
-        return call.tensors + [call.captured[i] for i in self.lifted] + self.by_reference
-
-
 def _fake_like(mode: Any, t: torch.Tensor) -> torch.Tensor:
     """A fake with `t`'s shape, strides and storage offset (which `as_strided` reads); in a
     symbolic trace, a real tensor's marked dimensions are symbols."""
@@ -366,7 +327,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
 
     under_transform = transforms_active()
     # eager autocast casts a leaf that requires grad once per (outer) autocast context
-    autocast_caches = torch._C._is_any_autocast_enabled() and torch.is_autocast_cache_enabled()
+    autocast_caches = any_autocast_enabled() and torch.is_autocast_cache_enabled()
     with tracing_isolated(), _tracing_region(Scope(policy, fn_name)) as scopes:
         mode = new_fake_mode()
         originals = list(call.tensors) + [call.captured[i] for i in slotted]
