@@ -97,21 +97,27 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
 
 
 def autocast_casts_of_leaves_cached(gm: torch.fx.GraphModule, leaves: Sequence[bool]) -> None:
-    """Eager autocast keeps one cast of a leaf that requires grad (a parameter) per dtype
-    for its whole context (its cast cache; make_fx traces with the cache off): every use
-    reads that cast, whose gradient sums all uses in the low dtype before one cast back.
-    So the casts autocast made of each such input of the graph (`leaves`: per placeholder)
-    become the first one, for the same gradient, rounded the same."""
+    """Eager autocast keeps one cast to its low dtype of a float32 leaf that requires grad
+    (a parameter; a transform's input) while an autocast context is open (its cast cache;
+    make_fx traces with the cache off): every use reads that cast, whose gradient sums all
+    uses in the low dtype before one cast back. So the casts autocast made of each such
+    input of the graph (`leaves`: per placeholder) in one lifetime of the cache (the
+    number AUTOCAST_CAST_KEY holds; 0 with the cache off) become the first one, for the
+    same gradient, rounded the same."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for placeholder, leaf in zip(placeholders, leaves):
-        if not leaf:
+        value = placeholder.meta.get("val")
+        if not leaf or not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
             continue
         first: dict[Any, torch.fx.Node] = {}
         for user in list(placeholder.users):
-            if user.target is not _aten._to_copy.default or not user.meta.get("custom", {}).get(AUTOCAST_CAST_KEY):
+            lifetime = user.meta.get("custom", {}).get(AUTOCAST_CAST_KEY)
+            if user.target is not _aten._to_copy.default or not lifetime:
                 continue
-            key = tuple(sorted(user.kwargs.items()))
+            if user.kwargs.get("dtype") not in (torch.bfloat16, torch.float16):
+                continue
+            key = (lifetime, tuple(sorted(user.kwargs.items())))
             if key in first:
                 user.replace_all_uses_with(first[key])
                 graph.erase_node(user)

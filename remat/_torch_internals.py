@@ -275,6 +275,14 @@ def any_autocast_enabled() -> bool:
     return bool(torch._C._is_any_autocast_enabled())
 
 
+def autocast_nesting() -> int:
+    """How many autocast contexts (enabled or not) are open: autocast's cast cache lives
+    while one is (torch 2.13 counts them; there is no getter, so one up and one down)."""
+    nesting = int(torch.autocast_increment_nesting()) - 1
+    torch.autocast_decrement_nesting()
+    return nesting
+
+
 def autocast_state() -> tuple[Any, ...]:
     """Everything autocast that changes what a traced graph computes (one constant when no
     device's autocast is on, the common case, asked on every call: torch 2.13)."""

@@ -65,6 +65,7 @@ from ._recording import active_recorder, record, traced_node
 from ._records import Captured, Scope
 from ._torch_internals import (
     any_autocast_enabled,
+    autocast_nesting,
     autocast_off,
     autograd_engine_running,
     grad_disabled_by_code,
@@ -134,11 +135,19 @@ class _GuardTracing(TorchFunctionMode):
         torch.Tensor.retain_grad: ".retain_grad()",
     }
 
-    def __init__(self, transformed: bool) -> None:
+    def __init__(self, transformed: bool, eager_caches: bool) -> None:
         super().__init__()
         self.transformed = transformed
         self.grad_off = False  # the call being run was made with grad disabled
-        self.autocasting = False  # the call being run is under autocast and not the user's own cast (`.to`)
+        # The call being run is under autocast and not the user's own cast (`.to`): then the
+        # lifetime of autocast's cast cache it runs in (a number; 0 with the cache off), else None.
+        self.autocasting: int | None = None
+        self._cache_lifetimes = 0  # autocast cast-cache lifetimes met: each opens when no autocast context was
+        self._in_autocast = False
+        # Whether eager code caches casts (read before the trace turns the cache off, so
+        # that casts are ops it sees, which an autocast context opened inside inherits; one
+        # opened with cache_enabled=False inside the function is not told apart).
+        self._eager_caches = eager_caches
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -165,7 +174,10 @@ class _GuardTracing(TorchFunctionMode):
             return _dropout_as_under_transforms(func, *args, **kwargs)
         previous = self.grad_off, self.autocasting
         self.grad_off = not torch.is_grad_enabled()
-        self.autocasting = func not in _CONVERSIONS and any_autocast_enabled()
+        autocasting = any_autocast_enabled()
+        if autocasting or self._cache_lifetimes:
+            self._note_cache_lifetime()
+        self.autocasting = self._cast_cache() if autocasting and func not in _CONVERSIONS else None
         try:
             out = func(*args, **kwargs)
         finally:
@@ -173,6 +185,18 @@ class _GuardTracing(TorchFunctionMode):
         if func in self._DETACHES and isinstance(out, torch.Tensor):
             annotate(traced_node(out), USER_DETACH_KEY, True, producer_too=False)
         return out
+
+    def _note_cache_lifetime(self) -> None:
+        """Eager autocast keeps one cast cache from when the first autocast context opens
+        until the last one closes; casts of a parameter are shared within one lifetime only."""
+        nested = autocast_nesting() > 0
+        if nested and not self._in_autocast:
+            self._cache_lifetimes += 1
+        self._in_autocast = nested
+
+    def _cast_cache(self) -> int:
+        """Which lifetime of autocast's cast cache this call runs in (0: the cache is off)."""
+        return self._cache_lifetimes if self._eager_caches or torch.is_autocast_cache_enabled() else 0
 
 
 def _dropout_as_under_transforms(func: Any, input: torch.Tensor, p: float = 0.5, *rest: Any, **kwargs: Any) -> torch.Tensor:
@@ -233,8 +257,8 @@ class _Annotator:
                 annotate(node, BACKWARD_KEY, torch.is_grad_enabled(), producer_too=False)
             elif grad_off:
                 annotate(node, GRAD_OFF_KEY, True)
-            if autocasting and node.target is torch.ops.aten._to_copy.default:
-                annotate(node, AUTOCAST_CAST_KEY, True, producer_too=False)
+            if autocasting is not None and node.target is torch.ops.aten._to_copy.default:
+                annotate(node, AUTOCAST_CAST_KEY, autocasting, producer_too=False)
         self._note_draws(next((n.graph for n in nodes if n is not None), None))
 
     def _note_draws(self, graph: torch.fx.Graph | None) -> None:
@@ -313,7 +337,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         replacements = list(call.captured)
         for i, t in zip(slotted, tensors[n_explicit:]):
             replacements[i] = t
-        guard = _GuardTracing(under_transform)
+        guard = _GuardTracing(under_transform, eager_caches)
         with call.substituted(replacements), _annotating(guard, draws), guard, hooks.recording():
             out = fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten(out)
@@ -326,8 +350,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         return tensors_out
 
     under_transform = transforms_active()
+    eager_caches = torch.is_autocast_cache_enabled()
     # eager autocast casts a leaf that requires grad once per (outer) autocast context
-    autocast_caches = any_autocast_enabled() and torch.is_autocast_cache_enabled()
     with tracing_isolated(), _tracing_region(Scope(policy, fn_name)) as scopes:
         mode = new_fake_mode()
         originals = list(call.tensors) + [call.captured[i] for i in slotted]
@@ -380,8 +404,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     _keep_used_captured(captured, call, slotted)
     _lift_constants(captured, call, fn_name, under_transform)
     random_fills_in_memory_order(gm)
-    if autocast_caches:
-        autocast_casts_of_leaves_cached(gm, [needs_grad(t) and t.is_leaf for t in originals])
+    autocast_casts_of_leaves_cached(gm, [needs_grad(t) and t.is_leaf for t in originals])
     grad_free_values_as_constants(gm)
     inner_backwards_as_eager(gm)
     gm = captured.graph = functionalized(gm)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import linecache
-import os
 import random
 import re
 import sys
@@ -51,14 +50,7 @@ TRANSFORMS = {
 }
 # The dtype a program runs in, with weights: float64 compared with a tolerance, the others
 # bitwise. bfloat16 keeps float32's exponent range, so the ops below stay finite in it.
-# Low precision is drawn only when REMAT_DIFFERENTIAL_LOW_PRECISION=1: its survey still
-# finds what the README names as not bitwise (a backward run inside the autocast block,
-# `prod`'s derivative), which the bitwise comparison counts as failures.
-PRECISIONS = (
-    {"float64": 75, "bfloat16": 15, "autocast": 10}
-    if os.environ.get("REMAT_DIFFERENTIAL_LOW_PRECISION") == "1"
-    else {"float64": 1}
-)
+PRECISIONS = {"float64": 75, "bfloat16": 15, "autocast": 10}
 AUTOCAST = 'torch.autocast("cpu", dtype=torch.bfloat16)'  # over float32 inputs
 # Where the autocast block is: around the region's call in the loss (forward only, as
 # training code writes it), inside the region, or around the whole transform (its
@@ -608,6 +600,23 @@ class _Builder:
 
     # Rendering.
 
+    def comparison(self) -> bool | str:
+        """How the harness compares the program's results: bitwise (True) in low precision,
+        within bf16 rounding ("bf16") where the README says remat is not bitwise, else with
+        float64's tolerance (False)."""
+        if self.precision == "float64":
+            return False
+        return "bf16" if self.comparison_reason() != "bitwise" else True
+
+    def comparison_reason(self) -> str:
+        if self.precision == "float64":
+            return "with a tolerance"
+        if self.precision == "autocast" and self.autocast_at == "call":
+            return "within bf16 rounding: a backward run inside the autocast block (README)"
+        if any("torch.prod(" in line for line in self.body):
+            return "within bf16 rounding: prod's derivative (README)"
+        return "bitwise"
+
     def render(self) -> str:
         leaves = [v for v in self.values if v.name not in self.consumed and v.name not in INPUTS] or self.values[-1:]
         if not any("x" in v.grad_inputs for v in leaves):  # else backward would have nothing to differentiate
@@ -639,7 +648,7 @@ class _Builder:
             "from remat import policies as P",
             "",
             f"D = {dtype}",
-            f"EXACT = {self.precision != 'float64'}  # {'bitwise' if self.precision != 'float64' else 'with a tolerance'}",
+            f"EXACT = {self.comparison()!r}  # {self.comparison_reason()}",
             f"SEED = {self.seed}",
             f"CONSTRUCTS = frozenset({sorted(c for c in self.chosen if self.on(c))!r})",
             "",

@@ -136,6 +136,49 @@ def test_an_input_autocast_casts_twice_under_a_transform_is_bitwise(policy_name:
     _bitwise(run(remat.remat(body, policy=POLICIES[policy_name])), run(body))
 
 
+def _inside_one_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return torch.addmm(x, x, w)  # x cast once, for both uses
+
+
+def _inside_two_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = x @ w
+    scaled = a.float() * 2  # between the blocks: the cache is dropped, x is cast again
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return scaled + x @ w.t()
+
+
+def _inside_a_disabled_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = x @ w
+        with torch.autocast("cpu", enabled=False):
+            b = a.float().sin()  # still one cache lifetime
+        return b + x @ w.t()
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
+@pytest.mark.parametrize("fn", [_inside_one_block, _inside_two_blocks, _inside_a_disabled_block], ids=lambda f: f.__name__)
+def test_autocast_blocks_inside_a_region_cast_as_eager_caches(fn: Callable[..., torch.Tensor], transform: str) -> None:
+    """Autocast's cast cache lives from the first open context to the last close: a leaf
+    used twice in one lifetime is cast once, in two lifetimes twice, as in eager."""
+    torch.manual_seed(0)
+    xs, ws, cotangent = torch.randn(2, 3, 4), torch.randn(2, 4, 4), torch.randn(3, 4)
+
+    def run(f: Callable[..., torch.Tensor]) -> Any:
+        loss = lambda x, w: (f(x, w).float() * cotangent).sum()  # noqa: E731
+        if transform == "grad":
+            return torch.func.grad(loss, argnums=(0, 1))(xs[0], ws[0])
+        if transform == "vmap_grad":
+            return torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(xs, ws)
+        x, w = xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()
+        loss(x, w).backward()
+        return x.grad, w.grad
+
+    for policy in POLICIES.values():
+        _bitwise(run(remat.remat(fn, policy=policy)), run(fn))
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe"])
 def test_transformers_models_with_bf16_parameters_are_bitwise(name: str) -> None:
     """Loss and every gradient of a bf16 model through checkpoint_layers (dropout on)."""
