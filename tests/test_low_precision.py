@@ -10,8 +10,9 @@ never autocast twice.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -22,6 +23,18 @@ import remat
 from remat import policies as P
 
 POLICIES = {"none": None, "nothing": P.nothing_saveable, "everything": P.everything_saveable, "dots": P.dots_saveable}
+
+
+@contextlib.contextmanager
+def _deterministic() -> Iterator[None]:
+    """torch's deterministic kernels: the MoE experts' gather backward accumulates repeated
+    indices in parallel otherwise, and eager code itself then differs from run to run."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def _bitwise(actual: Any, expected: Any) -> None:
@@ -194,4 +207,36 @@ def test_transformers_models_with_bf16_parameters_are_bitwise(name: str) -> None
         out.loss.backward()
         return [out.loss.detach(), *(p.grad for p in m.parameters())]
 
-    _bitwise(step(model), step(reference))
+    with _deterministic():
+        _bitwise(step(model), step(reference))
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe", "vit"])
+def test_float32_models_under_bf16_autocast_are_bitwise(name: str) -> None:
+    """Loss and every gradient of a float32 model trained under CPU bf16 autocast, layers
+    through checkpoint_layers (dropout on), backward outside the autocast block as
+    PyTorch advises: transformers models and a timm-style ViT."""
+    torch.manual_seed(0)
+    if name == "vit":
+        reference: torch.nn.Module = Z.TinyViT().float().train()
+        layers = lambda m: m.blocks  # noqa: E731
+        images = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(3))
+        target = torch.tensor([1, 7])
+        forward = lambda m: F.cross_entropy(m(images), target)  # noqa: E731
+    else:
+        reference = getattr(Z, name)("sdpa").float()
+        layers = lambda m: m.model.layers  # noqa: E731
+        ids = torch.randint(0, Z.VOCAB, (Z.BATCH, Z.SEQ), generator=torch.Generator().manual_seed(3))
+        forward = lambda m: m(input_ids=ids, labels=ids).loss  # noqa: E731
+    model = copy.deepcopy(reference)
+    remat.checkpoint_layers(layers(model), P.nothing_saveable)
+
+    def step(m: torch.nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = forward(m)
+        loss.backward()
+        return [loss.detach(), *(p.grad for p in m.parameters() if p.grad is not None)]
+
+    with _deterministic():
+        _bitwise(step(model), step(reference))
