@@ -239,8 +239,10 @@ def eager_under_vmap(captured: Captured, inputs: Sequence[torch.Tensor]) -> bool
       unbatched inputs get, so an output computed from unbatched inputs only (batched by
       nothing; a draw under `randomness="different"` is batched), whose one cotangent every
       element's backward reads, would add to those inputs' gradients batch-size times;
-    - under `randomness="different"`, eager `empty_like(x).uniform_()` draws per element
-      when `x` is batched, where remat's graph draws into a fresh tensor vmap does not batch."""
+    - under `randomness="different"`, an in-place random fill: eager `empty_like(x).uniform_()`
+      draws per element when `x` is batched, where remat's graph draws into a fresh tensor
+      vmap does not batch; eager `torch.empty(3, 4).uniform_()` raises (an unbatched tensor
+      cannot be filled differently per element), which running the region as it is repeats."""
     if torch.compiler.is_compiling() or not transforms_active():  # dynamo resuming after a break: no vmap
         return False
     if captured.fills_like and vmap_randomness_different() and any(has_batched_level(t) for t in inputs):

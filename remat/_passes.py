@@ -84,8 +84,7 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
             logical = graph.call_function(_aten.permute.default, (drawn, inverse))
         fresh.meta = {**filled.meta, "val": val.new_empty(physical)}
         drawn.meta = {**node.meta, "val": fresh.meta["val"]}
-        if any(isinstance(a, torch.fx.Node) for a in filled.args):  # a fill of a tensor made like another
-            drawn.meta["custom"] = {**drawn.meta.get("custom", {}), FILL_LIKE_KEY: True}
+        drawn.meta["custom"] = {**drawn.meta.get("custom", {}), FILL_LIKE_KEY: True}  # see _executing.eager_under_vmap
         logical.meta = {**node.meta, "val": fresh.meta["val"].permute(inverse)}
         node.replace_all_uses_with(logical)
         for user in [u for u in filled.users if u is not node and comes_after(graph, u, node)]:

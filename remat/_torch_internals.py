@@ -275,6 +275,18 @@ def any_autocast_enabled() -> bool:
     return bool(torch._C._is_any_autocast_enabled())
 
 
+@contextlib.contextmanager
+def autocast_cache_off() -> Iterator[None]:
+    """Autocast's cast cache off, as make_fx traces: a context the traced function opens
+    with `cache_enabled=True` would otherwise cache casts inside the trace."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
+
+
 def autocast_nesting() -> int:
     """How many autocast contexts (enabled or not) are open: autocast's cast cache lives
     while one is (torch 2.13 counts them; there is no getter, so one up and one down)."""

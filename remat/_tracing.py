@@ -65,6 +65,7 @@ from ._recording import active_recorder, record, traced_node
 from ._records import Captured, Scope
 from ._torch_internals import (
     any_autocast_enabled,
+    autocast_cache_off,
     autocast_nesting,
     autocast_off,
     autograd_engine_running,
@@ -113,6 +114,7 @@ def _tracing_region(scope: Scope) -> Iterator[list[Scope]]:
         _TRACING.reset(token)
 
 
+_LINEAR = torch.nn.functional.linear
 # The user's own conversions: the casts they make are theirs, not autocast's.
 _CONVERSIONS = frozenset({
     torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as, torch.Tensor.float, torch.Tensor.double,
@@ -142,6 +144,9 @@ class _GuardTracing(TorchFunctionMode):
         # The call being run is under autocast and not the user's own cast (`.to`): then the
         # lifetime of autocast's cast cache it runs in (a number; 0 with the cache off), else None.
         self.autocasting: int | None = None
+        # A value whose autocast casts in the call being run are not cached: under torch.func,
+        # `linear` runs as a matmul with its weight's transpose, a view autocast never caches.
+        self.uncached: torch.fx.Node | None = None
         self._cache_lifetimes = 0  # autocast cast-cache lifetimes met: each opens when no autocast context was
         self._in_autocast = False
         # Whether eager code caches casts (read before the trace turns the cache off, so
@@ -172,16 +177,19 @@ class _GuardTracing(TorchFunctionMode):
             refuse_custom_function(arg)
         if self.transformed and func in self._DROPOUTS:
             return _dropout_as_under_transforms(func, *args, **kwargs)
-        previous = self.grad_off, self.autocasting
+        previous = self.grad_off, self.autocasting, self.uncached
         self.grad_off = not torch.is_grad_enabled()
+        if self.transformed and func is _LINEAR and len(args) > 1 and isinstance(args[1], torch.Tensor):
+            self.uncached = traced_node(args[1])
         autocasting = any_autocast_enabled()
         if autocasting or self._cache_lifetimes:
             self._note_cache_lifetime()
         self.autocasting = self._cast_cache() if autocasting and func not in _CONVERSIONS else None
         try:
-            out = func(*args, **kwargs)
+            with autocast_cache_off() if autocasting else contextlib.nullcontext():  # every cast an op of the trace
+                out = func(*args, **kwargs)
         finally:
-            self.grad_off, self.autocasting = previous
+            self.grad_off, self.autocasting, self.uncached = previous
         if func in self._DETACHES and isinstance(out, torch.Tensor):
             annotate(traced_node(out), USER_DETACH_KEY, True, producer_too=False)
         return out
@@ -258,7 +266,8 @@ class _Annotator:
             elif grad_off:
                 annotate(node, GRAD_OFF_KEY, True)
             if autocasting is not None and node.target is torch.ops.aten._to_copy.default:
-                annotate(node, AUTOCAST_CAST_KEY, autocasting, producer_too=False)
+                cached = node.args[0] is not self.guard.uncached
+                annotate(node, AUTOCAST_CAST_KEY, autocasting if cached else 0, producer_too=False)
         self._note_draws(next((n.graph for n in nodes if n is not None), None))
 
     def _note_draws(self, graph: torch.fx.Graph | None) -> None:

@@ -137,6 +137,10 @@ NOT_IN_LOW_PRECISION = {
     "prod": "eager's derivative takes a shorter formula when no element is zero, which a graph traced "
     "without data cannot know; in bf16 the two round apart, by more than any tolerance where a sum cancels",
 }
+NOT_UNDER_AUTOCAST = {
+    "layer_norm_affine": "bf16 weights for a float32 input: eager raises outside vmap and runs under it "
+    "(its batching rule decomposes), where remat's graph, traced outside, raises",
+}
 # Ops that bfloat16 autocast runs in bfloat16 on CPU: an autocast program starts with one.
 AUTOCAST_OPS = (
     "mm",
@@ -327,7 +331,9 @@ class _Builder:
         """A random op's expression (of the ops named `among`, if given) and the inputs it
         reads (differentiably)."""
         a = a or self.pick()
-        left_out = NOT_IN_LOW_PRECISION if self.drawn_precision != "float64" else {}
+        left_out = {
+            "float64": {}, "bfloat16": NOT_IN_LOW_PRECISION, "autocast": {**NOT_IN_LOW_PRECISION, **NOT_UNDER_AUTOCAST},
+        }[self.drawn_precision]
         unary = {k: v for k, v in UNARY.items() if (among is None or k in among) and k not in left_out}
         binary = {k: v for k, v in BINARY.items() if (among is None or k in among) and k not in left_out}
         if self.rng.random() < 0.45:
@@ -619,10 +625,10 @@ class _Builder:
             return "with a tolerance"
         if self.precision == "autocast" and self.autocast_at == "call":
             return "within bf16 rounding: a backward run inside the autocast block (README)"
-        if self.precision == "autocast" and set(self.transforms) - {"backward"}:
-            return "within bf16 rounding: autocast under a torch.func transform (README)"
-        if self.precision == "bfloat16" and {"grad_grad", "double_backward"} & set(self.transforms):
-            return "within bf16 rounding: a second-order gradient in bf16 (README)"
+        if {"grad_grad", "double_backward"} & set(self.transforms):
+            return "within bf16 rounding: a second-order gradient in low precision (README)"
+        if self.precision == "autocast" and (self.on("inplace") or self.on("inplace_view")):
+            return "within bf16 rounding: an in-place op under autocast (README)"
         return "bitwise"
 
     def render(self) -> str:

@@ -192,6 +192,33 @@ def test_autocast_blocks_inside_a_region_cast_as_eager_caches(fn: Callable[..., 
         _bitwise(run(remat.remat(fn, policy=policy)), run(fn))
 
 
+@pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
+@pytest.mark.parametrize("cache", [None, True], ids=["cache-default", "cache-enabled"])
+def test_a_weight_two_linears_share_under_autocast_is_bitwise(cache: bool | None, transform: str) -> None:
+    """`.backward()` casts the shared weight once (autocast's cache); under torch.func,
+    `linear` runs as a matmul with the weight's transpose, a view the cache skips, so each
+    use casts it again. An explicit `cache_enabled=True` inside changes nothing in the trace."""
+    torch.manual_seed(0)
+    xs, ys, w0, cotangent = torch.randn(2, 3, 4), torch.randn(2, 3, 4), torch.randn(4, 4), torch.randn(3, 4)
+
+    def body(x: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache):
+            return F.linear(x, w) + F.linear(F.layer_norm(y, (4,)), w)
+
+    def run(fn: Callable[..., torch.Tensor]) -> Any:
+        loss = lambda x, y, w: (fn(x, y, w).float() * cotangent).sum()  # noqa: E731
+        if transform == "grad":
+            return torch.func.grad(loss, argnums=(0, 1, 2))(xs[0], ys[0], w0)
+        if transform == "vmap_grad":
+            return torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)), in_dims=(0, 0, None))(xs, ys, w0)
+        x, y, w = xs[0].clone().requires_grad_(), ys[0].clone().requires_grad_(), w0.clone().requires_grad_()
+        loss(x, y, w).backward()
+        return x.grad, y.grad, w.grad
+
+    for policy in POLICIES.values():
+        _bitwise(run(remat.remat(body, policy=policy)), run(body))
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe"])
 def test_transformers_models_with_bf16_parameters_are_bitwise(name: str) -> None:
     """Loss and every gradient of a bf16 model through checkpoint_layers (dropout on)."""
