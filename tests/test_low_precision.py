@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -119,6 +119,23 @@ def test_sdpa_with_dropout_under_autocast_is_bitwise() -> None:
         _bitwise(run(remat.remat(attention, policy=policy)), run(attention))
 
 
+def _gradients(
+    loss: Callable[..., torch.Tensor], transform: str, batched: Sequence[torch.Tensor], unbatched: Sequence[torch.Tensor] = ()
+) -> Any:
+    """Every input's gradient of `loss` under `transform`: `.backward()` and grad on the first
+    element of each `batched` input, vmap(grad) over all of them (`unbatched` as they are)."""
+    first = [b[0] for b in batched]
+    argnums = tuple(range(len(batched) + len(unbatched)))
+    if transform == "grad":
+        return torch.func.grad(loss, argnums=argnums)(*first, *unbatched)
+    if transform == "vmap_grad":
+        in_dims = (0,) * len(batched) + (None,) * len(unbatched)
+        return torch.func.vmap(torch.func.grad(loss, argnums=argnums), in_dims=in_dims)(*batched, *unbatched)
+    leaves = [t.clone().requires_grad_() for t in (*first, *unbatched)]
+    loss(*leaves).backward()
+    return tuple(leaf.grad for leaf in leaves)
+
+
 @pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
 @pytest.mark.parametrize("policy_name", list(POLICIES))
 def test_an_input_autocast_casts_twice_under_a_transform_is_bitwise(policy_name: str, transform: str) -> None:
@@ -138,13 +155,7 @@ def test_an_input_autocast_casts_twice_under_a_transform_is_bitwise(policy_name:
                 out = fn(x, w)
             return (out * cotangent).sum()
 
-        if transform == "grad":
-            return torch.func.grad(loss, argnums=(0, 1))(xs[0], ws[0])
-        if transform == "vmap_grad":
-            return torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(xs, ws)
-        x, w = xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()
-        loss(x, w).backward()
-        return x.grad, w.grad
+        return _gradients(loss, transform, (xs, ws))
 
     _bitwise(run(remat.remat(body, policy=POLICIES[policy_name])), run(body))
 
@@ -179,14 +190,7 @@ def test_autocast_blocks_inside_a_region_cast_as_eager_caches(fn: Callable[..., 
     xs, ws, cotangent = torch.randn(2, 3, 4), torch.randn(2, 4, 4), torch.randn(3, 4)
 
     def run(f: Callable[..., torch.Tensor]) -> Any:
-        loss = lambda x, w: (f(x, w).float() * cotangent).sum()  # noqa: E731
-        if transform == "grad":
-            return torch.func.grad(loss, argnums=(0, 1))(xs[0], ws[0])
-        if transform == "vmap_grad":
-            return torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)))(xs, ws)
-        x, w = xs[0].clone().requires_grad_(), ws[0].clone().requires_grad_()
-        loss(x, w).backward()
-        return x.grad, w.grad
+        return _gradients(lambda x, w: (f(x, w).float() * cotangent).sum(), transform, (xs, ws))
 
     for policy in POLICIES.values():
         _bitwise(run(remat.remat(fn, policy=policy)), run(fn))
@@ -206,14 +210,7 @@ def test_a_weight_two_linears_share_under_autocast_is_bitwise(cache: bool | None
             return F.linear(x, w) + F.linear(F.layer_norm(y, (4,)), w)
 
     def run(fn: Callable[..., torch.Tensor]) -> Any:
-        loss = lambda x, y, w: (fn(x, y, w).float() * cotangent).sum()  # noqa: E731
-        if transform == "grad":
-            return torch.func.grad(loss, argnums=(0, 1, 2))(xs[0], ys[0], w0)
-        if transform == "vmap_grad":
-            return torch.func.vmap(torch.func.grad(loss, argnums=(0, 1, 2)), in_dims=(0, 0, None))(xs, ys, w0)
-        x, y, w = xs[0].clone().requires_grad_(), ys[0].clone().requires_grad_(), w0.clone().requires_grad_()
-        loss(x, y, w).backward()
-        return x.grad, y.grad, w.grad
+        return _gradients(lambda x, y, w: (fn(x, y, w).float() * cotangent).sum(), transform, (xs, ys), (w0,))
 
     for policy in POLICIES.values():
         _bitwise(run(remat.remat(body, policy=policy)), run(body))
