@@ -40,12 +40,12 @@ _TIMES: dict[str, float] = {}  # seconds per phase since the last clear
 
 def _instrument() -> None:
     """Accumulate wall time per phase in _TIMES (remat's own functions, wrapped where
-    they are called: stage 1 by `_specializing`, the others by `_remat`), once per process."""
-    import remat._remat
-    import remat._specializing
+    they are called: stage 1 by `_plans/templates`, the others by `_api/decorator`), once per process."""
+    import remat._api.decorator
+    import remat._plans.templates
 
-    callers = {"capture": remat._specializing, "differentiate": remat._remat, "partition": remat._remat}
-    if getattr(remat._specializing.capture, "_bench_timed", False):
+    callers = {"capture": remat._plans.templates, "differentiate": remat._api.decorator, "partition": remat._api.decorator}
+    if getattr(remat._plans.templates.capture, "_bench_timed", False):
         return
 
     for name in PHASES:
@@ -129,7 +129,7 @@ def new_lengths(repeat: int) -> dict[str, list[float]]:
     import torch
 
     import remat
-    from remat import _specializing
+    from remat._plans import templates as _specializing
     from remat import policies as P
 
     torch.set_num_threads(1)

@@ -7,17 +7,21 @@ rest, under `.backward()` and every torch.func transform.
 from __future__ import annotations
 
 from . import policies
-from ._arguments import RematStateWarning
-from ._asking import RematPolicyWarning
-from ._caching import RematRetraceWarning, clear_cache
-from ._comparing import Comparison, compare, format_comparison, plot_frontier
-from ._debugging import RecomputeMismatchError
-from ._errors import RematError, RematTraceError
-from ._inspecting import Recompute, Report, Residual, print_saved_residuals, report, saved_residuals
-from ._layers import checkpoint_layers, policy_schedule
-from ._measuring import saved_tensor_bytes
-from ._naming import checkpoint_name
-from ._remat import Rematerialized, RematerializedModule, checkpoint, remat, using_policy, without_remat
+from ._api.comparing import Comparison, compare, format_comparison, plot_frontier
+from ._api.decorator import Rematerialized, RematerializedModule, checkpoint, remat, using_policy, without_remat
+from ._api.layers import checkpoint_layers, policy_schedule
+from ._api.measuring import saved_tensor_bytes
+from ._api.naming import checkpoint_name
+from ._api.reports import Recompute, Report, Residual, print_saved_residuals, report, saved_residuals
+from ._core.errors import (
+    RecomputeMismatchError,
+    RematError,
+    RematPolicyWarning,
+    RematRetraceWarning,
+    RematStateWarning,
+    RematTraceError,
+)
+from ._plans.caching import clear_cache
 
 __all__ = [
     "remat",

@@ -63,11 +63,12 @@ def policy(request: pytest.FixtureRequest) -> Any:
 
 def check_every_graph(install: Callable[[Any, str, Any], None]) -> None:
     """From now on, every graph remat builds is checked as its plan is built: functional,
-    vmap-safe and laid out as traced (remat/_passes.py). `install` is monkeypatch.setattr
+    vmap-safe and laid out as traced (remat/_trace/passes.py). `install` is monkeypatch.setattr
     in a test, the builtin setattr in the worker processes of tests/test_differential.py."""
-    from remat import _executing, _remat
-    from remat._passes import check_invariants, check_layouts
-    from remat._torch_internals import autocast_off, fake_tensor_cache_bounded
+    from remat._api import decorator as _remat
+    from remat._running import executing as _executing
+    from remat._trace.passes import check_invariants, check_layouts
+    from remat._core.torch_internals import autocast_off, fake_tensor_cache_bounded
 
     def check(*graphs: torch.fx.GraphModule) -> None:
         with fake_tensor_cache_bounded(), autocast_off():  # check_layouts runs ops on fakes, as the graphs run

@@ -22,9 +22,10 @@ import torch.testing._internal.common_methods_invocations as cmi
 from torch.func import grad, vjp, vmap
 from torch.testing._internal.common_methods_invocations import op_db
 
-from remat import RematError, _specializing, remat
+from remat import RematError, remat
+from remat._plans import templates as _specializing
 from remat import policies as P
-from remat._torch_internals import torch_at_least
+from remat._core.torch_internals import torch_at_least
 
 D = torch.float64
 # OpInfo's samples run as torch ships them: random ops through its `wrapper_set_seed`, which
@@ -263,7 +264,7 @@ def run_shared_case(op_name: str, transform: str) -> list[tuple[str, str, str]]:
     its own captured tensors), the first kept alive: the second shares the first's plan
     when its graph is the same, and must match no remat either way. Outcome "shared" or
     "pass" (planned on its own), "refused" or "torch-cant"."""
-    from remat import _remat
+    from remat._api import decorator as _remat
 
     runner = SHARED_TRANSFORMS[transform]
     op = OPS[op_name]

@@ -1,4 +1,4 @@
-"""make_fx as the oracle for remat's recorder (remat/_recording.py): every stage-1 graph and
+"""make_fx as the oracle for remat's recorder (remat/_trace/recording.py): every stage-1 graph and
 every joint graph remat builds while a function runs is built again with make_fx, and the
 two must be the same graph, node by node: op, name, target, arguments, and the meta remat
 and torch write (the value's layout, remat's annotations, "original_aten", the autograd
@@ -18,10 +18,10 @@ import torch
 import torch._dynamo.config
 import torch.fx
 
-import remat._recording
-import remat._remat
-import remat._specializing
-import remat._tracing
+import remat._trace.recording
+import remat._api.decorator
+import remat._plans.templates
+import remat._trace.tracing
 
 
 def _plain(value: Any) -> Any:
@@ -69,7 +69,7 @@ def graph_facts(gm: torch.fx.GraphModule) -> list[tuple[Any, ...]]:
 
 def refuse_recording(*args: Any, **kwargs: Any) -> Any:
     """Stands in for remat's recorder: every trace is left to make_fx."""
-    raise remat._recording.Unrecordable("make_fx asked for by the test")
+    raise remat._trace.recording.Unrecordable("make_fx asked for by the test")
 
 
 def _captured_facts(captured: Any) -> list[Any]:
@@ -133,11 +133,11 @@ def _compared(stage: str, build: Callable[..., Any], facts_of: Callable[[Any], l
             _STAGE.pop()
 
     def built_with(stand_in: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        remat._tracing.record = stand_in
+        remat._trace.tracing.record = stand_in
         try:
             return build(*args, **kwargs)
         finally:
-            remat._tracing.record = record
+            remat._trace.tracing.record = record
 
     def compared_uncached(*args: Any, **kwargs: Any) -> Any:
         offered = [False]
@@ -169,15 +169,15 @@ def traces_compared() -> Iterator[list[tuple[str, str]]]:
     "joint", "recorded" or "make_fx" (the recorder left it to make_fx)). Nests: the
     outermost patches remat, each gets every outcome made while it is active."""
     outcomes: list[tuple[str, str]] = []
-    callers = (remat._remat, remat._specializing, remat._tracing)  # _tracing's: higher-order gradients' joints
+    callers = (remat._api.decorator, remat._plans.templates, remat._trace.tracing)  # tracing's: higher-order gradients' joints
     outermost = not _OUTCOME_LISTS
-    differentiate, capture = remat._tracing.differentiate, remat._specializing.capture
+    differentiate, capture = remat._trace.tracing.differentiate, remat._plans.templates.capture
     if outermost:
-        record = remat._tracing.record
+        record = remat._trace.tracing.record
         compared_joint = _compared("joint", differentiate, graph_facts, record)
         for module in callers:
             module.differentiate = compared_joint  # type: ignore[attr-defined]
-        remat._specializing.capture = _compared("stage 1", capture, _captured_facts, record)  # type: ignore[attr-defined]
+        remat._plans.templates.capture = _compared("stage 1", capture, _captured_facts, record)  # type: ignore[attr-defined]
     _OUTCOME_LISTS.append(outcomes)
     try:
         yield outcomes
@@ -186,7 +186,7 @@ def traces_compared() -> Iterator[list[tuple[str, str]]]:
         if outermost:
             for module in callers:
                 module.differentiate = differentiate  # type: ignore[attr-defined]
-            remat._specializing.capture = capture  # type: ignore[attr-defined]
+            remat._plans.templates.capture = capture  # type: ignore[attr-defined]
 
 
 def run_compared(fn: Callable[[], Any]) -> list[tuple[str, str]]:

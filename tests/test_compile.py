@@ -1,5 +1,5 @@
 """remat under torch.compile(fullgraph=True): a region lowers to torch's selective
-activation checkpointing with its policy asked op by op (remat/_compiling.py).
+activation checkpointing with its policy asked op by op (remat/_partition/compiling.py).
 
 Oracles: the same model without remat, run eagerly (values, gradients, buffers, the random
 stream after backward); eager remat's kept bytes for the same policy (the compiled graph

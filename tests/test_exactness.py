@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import RecomputeMismatchError, RematTraceError, remat, saved_residuals, saved_tensor_bytes
 from remat import policies as P
-from remat._torch_internals import torch_at_least
+from remat._core.torch_internals import torch_at_least
 
 from conftest import POLICIES, assert_close
 
@@ -539,8 +539,8 @@ def test_writes_to_fresh_values_are_rewritten_and_others_functionalized(
     """Stage 1 rewrites a write to a fresh, unaliased value out of place instead of
     retracing the graph through functionalization; any other write takes the retrace.
     Either way the values and gradients are those of no remat."""
-    import remat._passes as passes
-    import remat._tracing as tracing
+    import remat._trace.passes as passes
+    import remat._trace.tracing as tracing
 
     answers: list[bool] = []
 

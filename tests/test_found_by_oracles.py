@@ -13,7 +13,7 @@ from torch.func import grad, vjp, vmap
 
 from remat import RematError, RematTraceError, remat
 from remat import policies as P
-from remat._torch_internals import torch_at_least
+from remat._core.torch_internals import torch_at_least
 
 from conftest import assert_close
 

@@ -1,4 +1,4 @@
-"""A plan's first run checks real values against the traced ones (remat/_layouts.py).
+"""A plan's first run checks real values against the traced ones (remat/_running/layouts.py).
 
 Real kernels can disagree with their meta functions (CPU layer norm returns float32
 statistics for bfloat16 input where its meta function says bfloat16). These

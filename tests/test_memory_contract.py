@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import policies as P
 from remat import remat, saved_residuals, saved_tensor_bytes
-from remat._torch_internals import torch_at_least
+from remat._core.torch_internals import torch_at_least
 
 from conftest import POLICIES
 from zoo import ZOO, example

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import remat
-from remat._arguments import (
+from remat._trace.arguments import (
     Call,
     CaptureMemo,
     _collect_consistently,
@@ -301,7 +301,7 @@ def test_direct_code_runs_a_graph_as_fx_code_does() -> None:
     code for the same graph: overloads, keyword and list arguments, a multi-output op."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from remat._graph_code import direct_code
+    from remat._running.graph_code import direct_code
 
     def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = torch.cat([x @ w, x.t()], dim=0).to(torch.float64)

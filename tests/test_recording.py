@@ -1,5 +1,5 @@
 """Both traces, stage 1 (the user's function) and the joint forward+backward, are recorded
-by remat's light tracer (remat/_recording.py) instead of make_fx where it can be; make_fx
+by remat's light tracer (remat/_trace/recording.py) instead of make_fx where it can be; make_fx
 is the oracle: for torch's OpInfo samples and for real models, every graph the recorder
 makes must be the graph make_fx makes (tests/recording_oracle.py), and what the recorder
 leaves to make_fx must still match no remat. Gradients through recorded graphs are
@@ -16,7 +16,7 @@ from opinfo_cases import OPS, make_case, samples
 from recording_oracle import refuse_recording, run_compared
 
 import remat
-import remat._tracing
+import remat._trace.tracing
 from remat import RematError
 from remat import policies as P
 
@@ -138,7 +138,7 @@ def test_an_error_in_a_recorded_joint_is_make_fx_s_error() -> None:
     for use_recorder in (True, False):
         with pytest.MonkeyPatch.context() as mp:
             if not use_recorder:
-                mp.setattr(remat._tracing, "record", refuse_recording)
+                mp.setattr(remat._trace.tracing, "record", refuse_recording)
             with pytest.raises(RematError, match=r"derivative of `aten.scatter_reduce`.*runs `aten._local_scalar_dense`") as error:
                 torch.func.grad(remat.remat(f))(x, index)
             messages.append(str(error.value))

@@ -193,7 +193,7 @@ def test_traces_leave_a_bounded_number_of_entries_in_torchs_fake_tensor_cache(mo
     nothing bounds; remat drops its oldest entries beyond a limit, and only its own."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import remat._torch_internals as internals
+    import remat._core.torch_internals as internals
 
     monkeypatch.setattr(internals, "FAKE_CACHE_ENTRIES", 40)
     monkeypatch.setattr(internals, "_FAKE_CACHE_KEYS", collections.deque())

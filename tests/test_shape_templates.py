@@ -1,4 +1,4 @@
-"""Shape templates (remat/_specializing.py): a region called at a new size of a dimension
+"""Shape templates (remat/_plans/templates.py): a region called at a new size of a dimension
 that changed before traces once with that dimension symbolic; later sizes are specialized
 from that trace without running the function.
 
@@ -17,10 +17,11 @@ import pytest
 import torch
 
 import remat
-from remat import _specializing, clear_cache, saved_residuals, saved_tensor_bytes
+from remat import clear_cache, saved_residuals, saved_tensor_bytes
+from remat._plans import templates as _specializing
 from remat import policies as P
 from remat import remat as rematerialize
-from remat._torch_internals import symbolic_templates_work
+from remat._core.torch_internals import symbolic_templates_work
 
 from conftest import assert_close
 

@@ -1,4 +1,4 @@
-"""Plans shared between regions whose traced graphs are the same (remat/_sharing.py).
+"""Plans shared between regions whose traced graphs are the same (remat/_plans/sharing.py).
 
 Oracles: the same code without remat (values, gradients, random draws), and how many joint
 forward+backward graphs remat traced: one for layers that are the same computation, one
@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 
 import remat
-from remat import _remat, clear_cache, saved_residuals
+from remat import clear_cache, saved_residuals
+from remat._api import decorator as _remat
 from remat import policies as P
 from remat import remat as rematerialize
-from remat._inspecting import recording
-from remat._torch_internals import torch_at_least
+from remat._api.reports import recording
+from remat._core.torch_internals import torch_at_least
 
 from conftest import assert_close
 

@@ -1,0 +1,430 @@
+"""The `remat` decorator: split the call, find or build a plan, run it."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from typing import Any, Callable, Iterable, Iterator, Sequence
+
+import optree
+import torch
+
+from remat.policies import MemoryBudget
+
+from .._core.locking import TRACE_LOCK
+from .._core.torch_internals import (
+    copy_into,
+    dispatch_modes_off,
+    fake_tensor_cache_bounded,
+    forward_ad_active,
+    nested_gradients,
+    transforms_active,
+)
+from .._partition.asking import policy_decider, warn_unmatched_references
+from .._partition.budget import budget_of
+from .._partition.compiling import (
+    call_under_compile,
+    compiled_override,
+    compiled_region,
+    overriding_under_compile,
+    selective_context,
+)
+from .._partition.partitioning import partition
+from .._plans.caching import DEFAULT_CACHE_SIZE, MISSING, PlanCache, clear_cache, plan_cache
+from .._plans.sharing import graph_signature, share_plan, shared_plan
+from .._plans.templates import Templates
+from .._running.chaining import Chain, Runnable, split_at_outputs
+from .._running.executing import Plan, eager_under_vmap
+from .._trace.arguments import Call, CaptureMemo, positional_names, split_call
+from .._trace.hooks import call_hooks
+from .._trace.records import Captured
+from .._trace.tracing import differentiate, inside_trace, nested_region
+from .reports import record
+
+
+def _normalise_argnums(static_argnums: int | Iterable[int]) -> frozenset[int]:
+    if isinstance(static_argnums, int):
+        return frozenset([static_argnums])
+    return frozenset(static_argnums)
+
+
+def _normalise_argnames(static_argnames: str | Iterable[str]) -> frozenset[str]:
+    if isinstance(static_argnames, str):
+        return frozenset([static_argnames])
+    return frozenset(static_argnames)
+
+
+_NO_REMAT = ("no remat",)
+# A policy that replaces every region's own (wrapped in a 1-tuple, since None is a policy),
+# or _NO_REMAT to run every region's function as it is.
+_OVERRIDE: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar("remat_override", default=None)
+
+
+@contextlib.contextmanager
+def _overriding(value: tuple[Any, ...]) -> Iterator[None]:
+    token = _OVERRIDE.set(value)
+    with overriding_under_compile(None if value is _NO_REMAT else value[0], value is _NO_REMAT):
+        try:
+            yield
+        finally:
+            _OVERRIDE.reset(token)
+
+
+@contextlib.contextmanager
+def using_policy(policy: Callable[..., bool] | None) -> Iterator[None]:
+    """Give every remat region called inside the same policy, whatever its own.
+
+    For experiments: `with using_policy(P.dots_saveable): loss(params, batch)`. Plans
+    traced under an override are cached apart from the regions' own. Call it outside
+    torch.compile'd code; compiled code sees it process-wide, not per thread.
+    """
+    with _overriding((policy,)):
+        yield
+
+
+@contextlib.contextmanager
+def without_remat() -> Iterator[None]:
+    """Run every remat region's function as it is: plain autograd, for comparison."""
+    with _overriding(_NO_REMAT):
+        yield
+
+
+def _hooks_as_traced(plan: Runnable | None) -> bool:
+    """Whether the modules a plan's trace called have the hooks they had then."""
+    hooks = plan.captured.hooks if plan is not None else None
+    return hooks is None or hooks.current()
+
+
+def region_name(fn: Callable[..., Any]) -> str:
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__qualname__
+    return getattr(fn, "__qualname__", None) or type(fn).__qualname__
+
+
+class Rematerialized:
+    """A function that recomputes, in backward, what its policy did not keep.
+
+    Built by `remat`; call it like the function it wraps. `cache_info()` says how often it
+    traced.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        policy: Callable[..., bool] | None,
+        static_argnums: int | Iterable[int],
+        static_argnames: str | Iterable[str],
+        debug: bool = False,
+        cache_size: int = DEFAULT_CACHE_SIZE,
+        name: str | None = None,
+        dynamic: bool = False,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"remat: expected a function or nn.Module to wrap, got {fn!r}")
+        if policy is not None and not callable(policy):
+            raise TypeError(
+                f"remat: policy must be a callable policy(op, *args, **kwargs) -> bool such as "
+                f"remat.policies.dots_saveable, got {policy!r}"
+            )
+        try:
+            hash(policy)
+        except TypeError:
+            raise TypeError(
+                f"remat: policy {policy!r} is not hashable; policies are cache keys. Use a frozen "
+                "dataclass or a plain function."
+            ) from None
+        self.fn = fn
+        self.policy = policy
+        self.static_argnums = _normalise_argnums(static_argnums)
+        self.static_argnames = _normalise_argnames(static_argnames)
+        self.debug = debug
+        if not isinstance(cache_size, int) or cache_size < 1:
+            raise ValueError(f"remat: cache_size must be a positive int (plans kept per function), got {cache_size!r}")
+        self.cache_size = cache_size
+        if name is not None and (not isinstance(name, str) or not name):
+            raise TypeError(f"remat: name must be a non-empty string (the region's name in reports), got {name!r}")
+        self.region = name or region_name(fn)
+        self._names = positional_names(fn)
+        self._captures = CaptureMemo()
+        self._compile_context = selective_context(policy, self.region)
+        if not isinstance(dynamic, bool):
+            raise TypeError(f"remat: dynamic must be True or False, got {dynamic!r}")
+        if dynamic and (debug or isinstance(policy, MemoryBudget)):
+            raise ValueError(
+                f"remat({self.region}): dynamic=True runs the region through torch.compile's lowering, where "
+                f"{'debug=True' if debug else repr(policy)} cannot apply (it needs remat's own trace of the region). "
+                "Drop dynamic=True, or use an op-by-op policy without debug."
+            )
+        self.dynamic = dynamic
+        self._dynamic_region: Callable[..., Any] | None = None
+        self._plans = self._plans_for(policy)
+        self._hits = 0
+        self._traces = 0
+        self._specialized = 0
+        for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
+            if hasattr(fn, attribute):
+                setattr(self, attribute, getattr(fn, attribute))
+        self.__wrapped__ = fn
+
+    def __repr__(self) -> str:
+        return f"remat({self.region}, policy={self.policy!r})"
+
+    def cache_info(self) -> dict[str, int]:
+        """Calls of this wrapper that reused a plan, traces of its function it made, plans
+        it made for a new size from a symbolic trace (`_plans/templates`: a template traced once,
+        then no trace), plans its function holds (shared with other wrappers of the same
+        function), and the bound."""
+        return {
+            "hits": self._hits, "traces": self._traces, "specialized": self._specialized,
+            "size": len(self._plans.plans), "maxsize": self.cache_size,
+        }
+
+    def clear_cache(self) -> None:
+        """Drop this function's traced plans; the next call traces again."""
+        clear_cache(self.fn)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without its plans (traced graphs are a cache, rebuilt on first call)."""
+        state = dict(self.__dict__)
+        del state["_plans"]
+        state["_dynamic_region"] = None
+        state["_captures"] = CaptureMemo()  # holds setters (closures), and is a cache
+        state["_hits"] = state["_traces"] = state["_specialized"] = 0
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._plans = self._plans_for(self.policy)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # dynamo traces this: lower to torch's selective checkpointing
+            return self._call_under_compile(args, kwargs)
+        override = _OVERRIDE.get()
+        policy = self.policy if override is None or override is _NO_REMAT else override[0]
+        if inside_trace():  # nested in a region being traced: inline, under this region's policy
+            with nested_region(policy, self.region):
+                return self.fn(*args, **kwargs)
+        if override is _NO_REMAT or not torch.is_grad_enabled() or forward_ad_active():
+            # Nothing to keep, or forward-mode AD (jvp, jacfwd, hessian), whose tangents an
+            # autograd.Function's jvp rule cannot make exact under every nesting of
+            # transforms: run the function as it is, exactly as without remat.
+            return self.fn(*args, **kwargs)
+        if self.dynamic and not transforms_active():
+            return self._call_dynamic(args, kwargs)
+        plans = self._plans if override is None else self._plans_for(policy)
+        call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames, self._captures)
+        plan = plans.lookup(call.key, call.storage_offsets)
+        if plan is not MISSING and not _hooks_as_traced(plan):
+            plan = MISSING
+        if plan is not MISSING:
+            self._hits += 1
+        else:
+            with TRACE_LOCK:  # one trace at a time in the process; another thread may have built it
+                plan = plans.lookup(call.key, call.storage_offsets)
+                if plan is MISSING or not _hooks_as_traced(plan):
+                    plan, traced = self._build(call, policy, plans)
+                    offsets = call.storage_offsets() if plan is not None and plan.captured.reads_storage_offsets else None
+                    plans.store(call.key, call.key_labels(), plan, offsets, traced)
+        if plan is None:  # nothing needs a gradient: there is nothing to checkpoint
+            return self.fn(*args, **kwargs)
+        captured = plan.captured
+        inputs = captured.graph_inputs(call)
+        if eager_under_vmap(captured, inputs):  # exact without remat; rare (see there)
+            return self.fn(*args, **kwargs)
+        record(plan)
+        results = plan.apply(inputs)
+        if captured.mutated:
+            self._apply_mutations(plan, inputs, results)
+        if captured.hook_calls:
+            hooked = results[captured.n_outputs - captured.n_hook_outputs : captured.n_outputs]
+            call_hooks(captured.hook_calls, hooked, self.region)
+        if captured.n_outputs == 1 and captured.out_spec.is_leaf():  # one tensor: no tree to rebuild
+            return results[0]
+        return self._rebuild_outputs(plan, results)
+
+    def _call_under_compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        override = compiled_override()
+        if isinstance(override, str):  # NO_REMAT_UNDER_COMPILE: without_remat()
+            return self.fn(*args, **kwargs)
+        policy, context = (self.policy, self._compile_context) if override is None else override
+        return call_under_compile(self.fn, policy, self.region, context, args, kwargs)
+
+    def _call_dynamic(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """dynamic=True: the region through torch.compile (aot_eager: torch's own tracing
+        and partitioner, no code generation), lowered as under any torch.compile, so a
+        size that changes is traced symbolic on its second value (automatic dynamic
+        shapes) instead of once per value."""
+        if self._dynamic_region is None:
+            self._dynamic_region = compiled_region(self._call_under_compile, self.region)
+        self._hits += 1
+        return self._dynamic_region(args, kwargs)
+
+    def _plans_for(self, policy: Callable[..., bool] | None) -> PlanCache:
+        settings = (policy, self.static_argnums, self.static_argnames, self.debug, self.region)
+        return plan_cache(self.fn, settings, self.region, self.cache_size)
+
+    def _build(self, call: Call, policy: Callable[..., bool] | None, plans: PlanCache) -> tuple[Runnable | None, bool]:
+        """The plan for this call, and whether the function was traced for it (not when
+        a template of an earlier size served)."""
+        self._traces += 1
+        with fake_tensor_cache_bounded(), dispatch_modes_off():  # the caller's modes see the region run, not its trace
+            if plans.templates is None:
+                plans.templates = Templates(plans.maxsize)
+            graphs = plans.templates.graphs_for(self.fn, self.region, call, policy)
+            captured, joint, traced = graphs.captured, graphs.joint, graphs.traced
+            self._traces -= not traced
+            self._specialized += joint is not None
+            warn_unmatched_references(captured.scopes, captured.graph.graph)
+            signature = graph_signature(captured)
+            key = None if signature is None else (signature, self.debug, transforms_active(), nested_gradients())
+            shared = None if key is None else shared_plan(key)
+            if shared is not None:  # another region traced the same graph: reuse its partition
+                graphs.charge(shared.trace_seconds)
+                return shared.for_capture(captured, self.region), traced
+            plan = self._plan(captured, captured.mutated, joint)
+            trace_seconds = graphs.charge(None)
+            if key is not None and isinstance(plan, Plan):
+                plan.trace_seconds = trace_seconds
+                share_plan(key, plan)
+            return plan, traced
+
+    def _plan(self, captured: Captured, updated: Sequence[int], joint: torch.fx.GraphModule | None = None) -> Runnable | None:
+        """A Plan for the captured graph, or a Chain of plans where outputs feed other
+        outputs. `updated`: the inputs the region updates after its forward; `joint`: the
+        forward+backward graph when a template gave it."""
+        diff_inputs = [i for i, needs in enumerate(captured.input_needs_grad) if needs]
+        if not diff_inputs:
+            return None
+        halves = split_at_outputs(captured) if joint is None else None  # templates are never chains
+        if halves is not None:
+            first, rest, first_positions = halves
+            return Chain(captured, self._plan(first, updated), self._plan(rest, updated), first_positions)  # type: ignore[arg-type]
+        float_outputs = [j for j, differentiable in enumerate(captured.output_differentiable) if differentiable]
+        builds_graph = transforms_active()  # torch.func differentiates a backward as a graph; .backward() does not
+        if joint is None:
+            joint = differentiate(captured, diff_inputs, float_outputs, create_graph=builds_graph)
+        n_outputs = captured.n_outputs + len(captured.mutated)
+        decide = policy_decider(captured.scopes)
+        part = partition(
+            joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=updated,
+            budget=budget_of(captured.scopes), offload=not nested_gradients(), rng_end=captured.rng_end,
+        )
+        plan = Plan(
+            captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region,
+            builds_graph=builds_graph,
+        )
+        if nested_gradients():
+            plan.keep_inputs_for_second_order()
+        return plan
+
+    @staticmethod
+    def _apply_mutations(plan: Runnable, inputs: list[torch.Tensor], results: Sequence[torch.Tensor]) -> None:
+        """Mutations of inputs happen here, once per call, never in recompute."""
+        first = plan.captured.n_outputs
+        with torch.no_grad():
+            for k, index in enumerate(plan.captured.mutated):
+                copy_into(inputs[index], results[first + k])
+
+    @staticmethod
+    def _rebuild_outputs(plan: Runnable, results: Sequence[torch.Tensor]) -> Any:
+        tensors = iter(results[: plan.captured.n_outputs])
+        leaves = [next(tensors) if leaf is None else leaf for leaf in plan.captured.out_static]
+        return optree.tree_unflatten(plan.captured.out_spec, leaves)
+
+
+def remat(
+    fn: Callable[..., Any] | None = None,
+    *,
+    policy: Callable[..., bool] | None = None,
+    static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (),
+    debug: bool = False,
+    cache_size: int = DEFAULT_CACHE_SIZE,
+    name: str | None = None,
+    dynamic: bool = False,
+) -> Any:
+    """Rematerialize `fn`: keep only what `policy` allows for backward, recompute the rest.
+
+    Works under `.backward()` and every torch.func transform (grad, vjp, jacrev, jvp,
+    jacfwd, hessian, vmap, functional_call). `fn` takes and returns pytrees of tensors;
+    non-tensor leaves are static. `policy=None` keeps nothing but the inputs.
+
+    >>> import torch
+    >>> from remat import remat, policies
+    >>> @remat(policy=policies.dots_saveable)
+    ... def block(x, w):
+    ...     return torch.tanh(x @ w)
+    >>> x = torch.randn(4, 3, requires_grad=True)
+    >>> block(x, torch.randn(3, 3)).sum().backward()
+    >>> x.grad.shape
+    torch.Size([4, 3])
+
+    A function whose Python control flow depends on an argument's value must make that
+    argument static: `remat(f, static_argnums=(1,))`.
+
+    `debug=True` makes backward check every recomputed value against the forward's and
+    raise `RecomputeMismatchError` naming the op and line on a difference (it keeps those
+    values, so it costs memory; off by default, and then free).
+
+    Plans are cached per function and policy, at most `cache_size` of them (least recently
+    used first out); `remat.clear_cache()` drops them, and a function that keeps tracing
+    gets a `RematRetraceWarning` saying what changed between its traces.
+
+    `name` names the region in reports and errors (default: the function's qualified name);
+    `checkpoint_layers` names each layer by its place in the stack.
+
+    `dynamic=True` is for inputs whose sizes vary (sequence lengths): outside torch.func
+    transforms the region runs through torch.compile's machinery (aot_eager backend, the
+    lowering used under torch.compile), which traces a size symbolic once it has changed,
+    so many lengths cost two traces, not one each. Under torch.func transforms it traces
+    per shape as usual.
+    """
+    if fn is None:
+        return functools.partial(
+            remat, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames, debug=debug,
+            cache_size=cache_size, name=name, dynamic=dynamic,
+        )
+    wrapped = Rematerialized(fn, policy, static_argnums, static_argnames, debug, cache_size, name, dynamic)
+    return RematerializedModule(fn, wrapped) if isinstance(fn, torch.nn.Module) else wrapped
+
+
+class RematerializedModule(torch.nn.Module):
+    """`remat(module)`: an nn.Module that shares the wrapped module's parameters, buffers
+    and submodules under the same names, so `functional_call`, `state_dict`, optimizers
+    and `.to()` see the original; calling it runs the module through remat."""
+
+    wrapped_module: torch.nn.Module
+    rematerialized: Rematerialized
+
+    def __init__(self, module: torch.nn.Module, rematerialized: Rematerialized) -> None:
+        super().__init__()
+        for table in ("_parameters", "_buffers", "_modules"):
+            self.__dict__[table] = getattr(module, table)  # the same dicts: one set of tensors
+        self.__dict__["wrapped_module"] = module
+        self.__dict__["rematerialized"] = rematerialized
+        self.training = module.training
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.rematerialized(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Transparent: global module hooks fire for the wrapped module (called inside), not
+        for this wrapper too; hooks registered on the wrapper itself run as on any module."""
+        if self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks:
+            return super().__call__(*args, **kwargs)
+        return self.forward(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> RematerializedModule:
+        self.wrapped_module.train(mode)
+        self.training = mode
+        return self
+
+    def cache_info(self) -> dict[str, int]:
+        return self.rematerialized.cache_info()
+
+    def __repr__(self) -> str:
+        return f"remat({self.wrapped_module!r}, policy={self.rematerialized.policy!r})"
+
+
+checkpoint = remat

@@ -1,0 +1,108 @@
+"""Per-layer policies: one policy per layer of a stack, from a list, a function or names."""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from remat.policies import memory_budget
+
+from .decorator import remat
+
+PolicySpec = Any  # a policy, a list of them, a function of the layer index, or {name pattern: policy}
+
+
+def _is_index_function(spec: Any) -> bool:
+    """A function of the layer index takes one positional parameter; a policy takes *args."""
+    if not callable(spec) or hasattr(spec, "references"):
+        return False
+    try:
+        params = list(inspect.signature(spec).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return len(params) == 1 and params[0].kind in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD)
+
+
+def policy_schedule(spec: PolicySpec, layers: int | Sequence[str]) -> list[Any]:
+    """One policy per layer.
+
+    `layers` is the number of layers or their names. `spec` is one of:
+    a policy (the same for every layer; `None` keeps nothing but inputs);
+    a list with one policy per layer;
+    a function of the layer index, e.g. `lambda i: P.dots_saveable if i < 6 else None`;
+    a mapping from layer names (or glob patterns such as "blocks.1*", or indices) to
+    policies: the first matching entry wins; "no remat" marks layers to leave alone.
+
+    >>> from remat import policies as P
+    >>> policy_schedule(lambda i: P.dots_saveable if i < 2 else P.nothing_saveable, 3)
+    [dots_saveable, dots_saveable, nothing_saveable]
+    """
+    names = [str(i) for i in range(layers)] if isinstance(layers, int) else [str(n) for n in layers]
+    if isinstance(spec, (list, tuple)):
+        if len(spec) != len(names):
+            raise ValueError(f"policy_schedule: {len(spec)} policies given for {len(names)} layers")
+        return list(spec)
+    if isinstance(spec, Mapping):
+        schedule = []
+        for index, name in enumerate(names):
+            match = next(
+                (p for pattern, p in spec.items() if pattern == index or fnmatch.fnmatchcase(name, str(pattern))),
+                _MISSING,
+            )
+            if match is _MISSING:
+                raise KeyError(f"policy_schedule: no entry matches layer {name!r}; add it or a pattern such as '*'")
+            schedule.append(match)
+        return schedule
+    if _is_index_function(spec):
+        return [spec(i) for i in range(len(names))]
+    return [spec] * len(names)
+
+
+_MISSING = object()
+NO_REMAT = "no remat"
+
+
+def _is_no_remat(policy: Any) -> bool:
+    return isinstance(policy, str) and policy == NO_REMAT
+
+
+def checkpoint_layers(
+    layers: torch.nn.ModuleList | Sequence[torch.nn.Module],
+    spec: PolicySpec,
+    prefix: str | None = None,
+    budget: int | float | None = None,
+    dynamic: bool = False,
+) -> list[Any]:
+    """Rematerialize each module of a stack with its own policy, in place.
+
+    Each layer's `forward` is replaced by `remat(forward, policy=...)`, so the model's own
+    loop (`for block in self.blocks: x = block(x)`) needs no change. Returns the schedule.
+    Names for a mapping `spec` are the layers' indices ("0", "1", ...). Reports name each
+    region by its place: `prefix.3` (give the stack's path in the model, e.g.
+    `prefix="model.layers"`), else `Block[3]`, so layers' totals stay apart.
+
+    `budget` (bytes, or a fraction of what keeping everything would keep) is spread evenly
+    over the layers `spec` does not mark "no remat": each gets `memory_budget(its share)`.
+    `dynamic=True` gives every layer `remat(..., dynamic=True)` (sizes that vary, such as
+    sequence lengths, are traced symbolic once they change).
+    """
+    modules = list(layers)
+    schedule = policy_schedule(spec, len(modules))
+    if budget is not None:
+        counted = [p for p in schedule if not _is_no_remat(p)]
+        share = budget if isinstance(budget, float) else budget // max(len(counted), 1)
+        schedule = [p if _is_no_remat(p) else memory_budget(share) for p in schedule]
+    for index, (module, policy) in enumerate(zip(modules, schedule)):
+        name = f"{prefix}.{index}" if prefix else f"{type(module).__qualname__}[{index}]"
+        original = module.__dict__.get("_remat_original_forward", module.forward)
+        module.__dict__["_remat_original_forward"] = original
+        if _is_no_remat(policy):
+            module.forward = original  # type: ignore[method-assign]
+        else:
+            module.forward = remat(original, policy=policy, name=name, dynamic=dynamic)  # type: ignore[method-assign]
+    return schedule
+

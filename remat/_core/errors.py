@@ -1,0 +1,27 @@
+"""The errors and warnings remat raises; each message says what went wrong and what to do."""
+
+from __future__ import annotations
+
+
+class RematError(RuntimeError):
+    """remat cannot do what was asked; the message says why and what to do."""
+
+
+class RematTraceError(RematError):
+    """remat could not turn the function into a graph; the message says where and what to do."""
+
+
+class RecomputeMismatchError(RuntimeError):
+    """A value recomputed in backward differs from the one computed in forward."""
+
+
+class RematPolicyWarning(UserWarning):
+    """A policy refers to an op or a name that the traced function never produces."""
+
+
+class RematRetraceWarning(UserWarning):
+    """A remat'd function traced again and again; the message says what changed."""
+
+
+class RematStateWarning(UserWarning):
+    """A remat'd function assigns nonlocal or global state, which runs only when it traces."""

@@ -1,0 +1,109 @@
+"""Facts about nodes of traced aten graphs, shared by the stages that read them."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import optree
+import torch
+import torch.fx
+
+from .torch_internals import OpOverload, size_hint
+
+# What tracing writes in node.meta["custom"], which retraces carry over to new graphs.
+SOURCE_KEY = "remat_source"  # the user's file:line that ran the op
+SCOPE_KEY = "remat_scope"  # index of the nested remat region whose policy governs the op
+DIFFERENTIABLE_KEY = "remat_differentiable"  # whether autograd tracks the value
+BACKWARD_KEY = "remat_backward"  # computed by an autograd.grad/backward the function runs: whether it builds a graph
+USER_DETACH_KEY = "remat_user_detach"  # a `detach` the function's code calls (not autograd's own)
+RNG_STREAM_KEY = "remat_rng_stream"  # a random op's (draw number, generator, the stream it draws from)
+FILL_LIKE_KEY = "remat_fill_like"  # a random fill drawn into a fresh tensor, where eager filled a tensor in place
+AUTOCAST_CAST_KEY = "remat_autocast_cast"  # a cast autocast made (not the user's `.to`)
+NAME_KEY = "remat_name"  # the name checkpoint_name gave the value
+GRAD_OFF_KEY = "remat_grad_off"  # computed with grad disabled (no_grad, inference_mode): a constant of backward
+
+
+def producer(node: torch.fx.Node) -> torch.fx.Node:
+    """The op node behind `node`: its parent for a getitem of a multi-output op."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        return node.args[0]  # type: ignore[return-value]
+    return node
+
+
+def is_view(node: torch.fx.Node) -> bool:
+    op = producer(node).target
+    return isinstance(op, OpOverload) and op.is_view
+
+
+def is_random(node: torch.fx.Node) -> bool:
+    """Whether the op draws random numbers (attention with dropout_p=0 does not)."""
+    node = producer(node)
+    op = node.target
+    if not (isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
+        return False
+    names = [a.name for a in op._schema.arguments]
+    if "dropout_p" in names:
+        index = names.index("dropout_p")
+        p = node.kwargs.get("dropout_p", node.args[index] if index < len(node.args) else 0.0)
+        return bool(p != 0.0)
+    return True
+
+
+def is_tuple(node: torch.fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), (tuple, list))
+
+
+def meta_like(value: Any) -> Any:
+    """A data-free meta tensor with `value`'s shape, strides and dtype (what policies see);
+    other values unchanged. A symbolic size becomes its hint, the size it was traced with."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape = tuple(size_hint(s) for s in value.shape)
+    stride = tuple(size_hint(s) for s in value.stride())
+    return torch.empty_strided(shape, stride, dtype=value.dtype, device="meta")
+
+
+def _to_meta(value: Any) -> Any:
+    if isinstance(value, torch.fx.Node):
+        return meta_like(value.meta.get("val"))
+    return value
+
+
+def meta_arguments(node: torch.fx.Node) -> tuple[Any, dict[str, Any]]:
+    """The node's args and kwargs with every input replaced by a data-free meta tensor."""
+    is_node = lambda x: isinstance(x, torch.fx.Node)  # noqa: E731
+    args: Any = optree.tree_map(_to_meta, node.args, is_leaf=is_node, none_is_leaf=True)  # type: ignore[arg-type]
+    kwargs: Any = optree.tree_map(_to_meta, node.kwargs, is_leaf=is_node, none_is_leaf=True)  # type: ignore[arg-type]
+    return args, kwargs
+
+
+def comes_after(graph: torch.fx.Graph, a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether node `a` comes after node `b` in `graph`."""
+    for node in graph.nodes:
+        if node is b:
+            return True
+        if node is a:
+            return False
+    return False
+
+
+def annotate(
+    node: torch.fx.Node | None, key: str, value: object, overwrite: bool = True, producer_too: bool = True
+) -> None:
+    """Write `key` in the node's custom meta, which retraces carry over to the new graph.
+
+    An output of a multi-output op is a getitem node that retraces rebuild from the op's
+    node, so the op's node gets the annotation too (unless `producer_too` is False).
+    """
+    while node is not None:
+        custom = node.meta.get("custom", {})
+        if overwrite or key not in custom:
+            node.meta["custom"] = {**custom, key: value}
+        is_item = producer_too and node.op == "call_function" and node.target is operator.getitem
+        node = node.args[0] if is_item else None  # type: ignore[assignment]
+
+
+def node_name(node: torch.fx.Node) -> str | None:
+    """The checkpoint_name written on a traced node, if any."""
+    return node.meta.get("custom", {}).get(NAME_KEY)

@@ -1,0 +1,163 @@
+"""Chaining: a region whose outputs feed its other outputs runs as two autograd nodes.
+
+A region is one node of the autograd graph, so with `y, z = region(x)` where `z` is
+computed from `y`, autograd would have no path from `z` to `y`: `torch.autograd.grad(z, y)`
+fails, where plain autograd (and torch.utils.checkpoint) allow it. So such a region is
+split at those outputs: the first part computes them, the rest reads them as inputs.
+Gradients are unchanged (the rest sends its gradient for `y` into the first part's
+backward); the rest keeps `y` when its backward needs it, as plain autograd does. An
+intermediate both parts read is computed by each (values are deterministic, so equal).
+A random op both parts would need, random ops whose draws the split would reorder, or
+a function that reseeds a generator leave the region whole (then `grad(z, y)` fails as before, see the README).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any, Iterable, Protocol, Sequence
+
+import torch
+
+from .._core.nodes import is_random
+from .._core.torch_internals import graph_module
+from .._trace.randomness import steps_of
+from .._trace.records import Captured
+
+
+class Runnable(Protocol):
+    """A Plan or a Chain: what a region runs per call."""
+
+    captured: Captured
+
+    def apply(self, inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]: ...
+
+    def plans(self) -> list[Any]: ...
+
+
+@dataclasses.dataclass
+class Chain:
+    """A region run as `first` (the outputs others are computed from), then `rest`."""
+
+    captured: Captured  # the whole region's
+    first: Runnable
+    rest: Runnable
+    first_positions: list[list[int]]  # for each of first's outputs, where it goes among the region's outputs
+
+    def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The region's outputs, then the new values of its mutated inputs."""
+        first = list(self.first.apply(inputs)[: len(self.first_positions)])
+        placed = {j: value for value, positions in zip(first, self.first_positions) for j in positions}
+        rest = iter(self.rest.apply([*inputs, *first])[: self.captured.n_outputs - len(placed) + len(self.captured.mutated)])
+        return tuple(placed[j] if j in placed else next(rest) for j in range(self.captured.n_outputs)) + tuple(rest)
+
+    def plans(self) -> list[Any]:
+        return self.first.plans() + self.rest.plans()
+
+
+def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[list[int]]] | None:
+    """(first, rest, where each of first's outputs goes) when other outputs are computed
+    from some differentiable outputs, else None. first computes each such value once, as
+    many places as it is returned at (an output returned twice, or also given to a hook)."""
+    graph = captured.graph.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    n_mutated = len(captured.mutated)
+    live = _ancestors(outs, stop=set())  # what the outputs are computed from (not a dead detach)
+    cuts = {
+        outs[j]
+        for j in range(captured.n_outputs - captured.n_hook_outputs)  # what hooks are given does not split
+        if isinstance(outs[j], torch.fx.Node)
+        and outs[j].op != "placeholder"
+        and captured.output_differentiable[j]
+        and any(user is not output and user in live for user in outs[j].users)
+    }
+    if not cuts:
+        return None
+    first_positions = [j for j in range(captured.n_outputs) if outs[j] in cuts]
+    rest_positions = [j for j in range(captured.n_outputs) if outs[j] not in cuts]
+    rest_positions += range(captured.n_outputs, captured.n_outputs + n_mutated)
+    cut_nodes = list(dict.fromkeys(outs[j] for j in first_positions))
+    placements = [[j for j in first_positions if outs[j] is node] for node in cut_nodes]
+
+    first_nodes = _ancestors([outs[j] for j in first_positions], stop=set())
+    rest_nodes = _ancestors([outs[j] for j in rest_positions], stop=set(cut_nodes))
+    reseeds = captured.rng_end is not None and steps_of(graph.nodes, captured.rng_end) is not None
+    if not _random_draws_keep_their_order(graph, first_nodes, rest_nodes) or reseeds:
+        return None  # (the function's own reseeding is replayed by one forward graph)
+
+    first_gm = _subgraph(captured.graph, first_nodes, cut_nodes, [])
+    rest_gm = _subgraph(captured.graph, rest_nodes, [outs[j] for j in rest_positions], cut_nodes)
+    # Every draw continues the stream (else the region stays whole), so each part's do too.
+    first = dataclasses.replace(
+        captured,
+        rng_end=None,
+        graph=first_gm,
+        n_outputs=len(cut_nodes),
+        mutated=[],
+        output_differentiable=[True] * len(cut_nodes),
+        n_hook_outputs=0,  # the region calls its hooks, from its own outputs
+        hook_calls=[],
+        hooks=None,
+    )
+    rest = dataclasses.replace(
+        captured,
+        rng_end=None,
+        graph=rest_gm,
+        n_outputs=len(rest_positions) - n_mutated,
+        n_hook_outputs=0,
+        hook_calls=[],
+        hooks=None,
+        output_differentiable=[captured.output_differentiable[j] for j in rest_positions[: len(rest_positions) - n_mutated]],
+        input_values=[*captured.input_values, *(node.meta["val"] for node in cut_nodes)],
+        input_needs_grad=[*captured.input_needs_grad, *(True for _ in cut_nodes)],
+        input_paths=[*captured.input_paths, *(f"output {outs.index(node)} of the region" for node in cut_nodes)],
+    )
+    return first, rest, placements
+
+
+def _ancestors(roots: Iterable[Any], stop: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The nodes `roots` are computed from, not looking past `stop` (which are included)."""
+    seen: set[torch.fx.Node] = set()
+    todo = [r for r in roots if isinstance(r, torch.fx.Node)]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node not in stop:
+            todo.extend(node.all_input_nodes)
+    return seen
+
+
+def _random_draws_keep_their_order(graph: torch.fx.Graph, first: set[torch.fx.Node], rest: set[torch.fx.Node]) -> bool:
+    """Whether running first, then rest draws random numbers as the whole region does:
+    each draw in exactly one part (an unread one in neither would be lost), and every
+    draw of first before every draw of rest."""
+    draws = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem and is_random(n)]
+    if any((n in first) == (n in rest) for n in draws):
+        return False
+    parts = ["first" if n in first else "rest" for n in draws]
+    return parts == sorted(parts)  # "first" < "rest"
+
+
+def _subgraph(
+    gm: torch.fx.GraphModule, keep: set[torch.fx.Node], outputs: list[Any], as_inputs: list[torch.fx.Node]
+) -> torch.fx.GraphModule:
+    """The graph computing `outputs` from gm's inputs, then one new input per `as_inputs` node,
+    which it reads instead of computing that node."""
+    new = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    nodes = list(gm.graph.nodes)
+    for node in nodes:
+        if node.op == "placeholder":
+            env[node] = new.node_copy(node, env.__getitem__)
+    for node in as_inputs:
+        placeholder = new.placeholder(f"{node.name}_in")
+        placeholder.meta = {key: node.meta[key] for key in ("val", "tensor_meta") if key in node.meta}
+        env[node] = placeholder
+    for node in nodes:
+        if node.op not in ("placeholder", "output") and node in keep and node not in env:
+            env[node] = new.node_copy(node, env.__getitem__)
+    new.output([env[o] if isinstance(o, torch.fx.Node) else o for o in outputs])
+    return graph_module(gm, new)

@@ -1,0 +1,343 @@
+"""Executing: the autograd.Function that runs a partitioned forward and backward.
+
+It composes with torch.func because it is a modern autograd.Function (forward and
+setup_context apart, a generated vmap rule). Kept intermediates are outputs of the
+Function, so second-order gradients flow through them. It has no jvp rule: under
+forward-mode AD a region runs its function as it is (see Rematerialized.__call__).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .._core.errors import RematError
+from .._core.locking import TRACE_LOCK
+from .._core.nodes import DIFFERENTIABLE_KEY, is_random
+from .._core.torch_internals import (
+    any_autocast_enabled,
+    apply_function,
+    autocast_off,
+    batched_at,
+    dispatch_modes_off,
+    has_batched_level,
+    innermost_vmap,
+    transforms_active,
+    vmap_randomness_different,
+)
+from .._partition.partitioning import Partition, partition
+from .._trace.passes import without_absent_cotangents
+from .._trace.records import Captured
+from .._trace.tracing import vjp_of_graph
+from .graph_code import direct_code
+from .layouts import run_checked
+
+
+def _is_float(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+@dataclass
+class Plan:
+    """Everything remat needs to run one traced signature of one function."""
+
+    captured: Captured
+    part: Partition
+    diff_inputs: list[int]  # inputs that get gradients
+    float_outputs: list[int]  # outputs that receive cotangents
+    region: str
+    _higher_order: tuple[Partition, list[int], list[int]] | None = field(default=None, repr=False)
+    # graphs (by id) whose layouts were checked on a first run, each with what runs it next
+    _checked: dict[int, Callable[..., Any]] = field(default_factory=dict, repr=False)
+    extra_inputs: list[int] = field(default_factory=list)  # inputs kept only for second-order gradients
+    # backwards for calls where some outputs get no gradient, by (graph id, which cotangents are absent)
+    _pruned: dict[tuple[int, frozenset[int]], torch.fx.GraphModule] = field(default_factory=dict, repr=False)
+    trace_seconds: float = 0.0  # what a plain trace of the function took (`_plans/templates` prices templates by it)
+    builds_graph: bool = True  # its backward was traced as autograd runs one that builds a graph
+
+    def run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
+        """Run one of this plan's graphs; its first run checks layouts against the trace.
+        A graph holds autocast's casts already: under autocast it runs with autocast off."""
+        if any_autocast_enabled():
+            with autocast_off():
+                return self._run(gm, *inputs)
+        return self._run(gm, *inputs)
+
+    def _run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
+        try:
+            direct = self._checked.get(id(gm))
+            if direct is not None:
+                return direct(*inputs)  # what gm(...) runs, without nn.Module's call machinery
+            outputs, checked = run_checked(gm, self.region, *inputs)
+        except RuntimeError as error:
+            if not transforms_active() or isinstance(error, RematError):
+                raise
+            raise RematError(
+                f"remat({self.region}): under a torch.func transform, torch could not run an op of the graph "
+                f"remat traced: {str(error).splitlines()[0]} remat runs a functional form of what eager code "
+                "runs in place, and torch has no batching rule for some of those ops (e.g. as_strided_scatter). "
+                "Call that op outside the remat'd function."
+            ) from error
+        if checked:
+            self._checked[id(gm)] = functools.partial(_second_run, self._checked, gm)
+        return outputs
+
+    def for_capture(self, captured: Captured, region: str) -> Plan:
+        """This plan for another region whose stage-1 graph is the same (`_plans/sharing`): the
+        partitioned graphs are shared, names and captured tensors are the other region's."""
+        return dataclasses.replace(
+            self, captured=captured, region=region, _higher_order=None, extra_inputs=list(self.extra_inputs)
+        )  # the set of graphs whose layouts were checked is shared: the same graphs, inputs laid out alike
+
+    def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run the region: its outputs, the new values of mutated inputs, then kept values.
+        Inputs no output depends on differentiably enter detached, so autograd does not
+        reach back into them, as it does not in eager code."""
+        if self.unreached_inputs:
+            inputs = list(inputs)
+            for i in self.unreached_inputs:
+                inputs[i] = inputs[i].detach()
+        return apply_function(RematFunction, self, inputs)  # type: ignore[no-any-return]
+
+    @functools.cached_property
+    def unreached_inputs(self) -> list[int]:
+        """Inputs that need grad but get none from any output (the backward gives None)."""
+        grads = next(n for n in self.part.backward.graph.nodes if n.op == "output").args[0]
+        return [i for i, g in zip(self.diff_inputs, grads) if g is None]
+
+    def backward_for(
+        self, gm: torch.fx.GraphModule, grads: Sequence[torch.Tensor | None], outputs: Sequence[int], like: Sequence[Any]
+    ) -> tuple[torch.fx.GraphModule, list[torch.Tensor | None]]:
+        """The backward to run for these incoming gradients (of `outputs`, in order), and its
+        cotangents: outputs that get no gradient contribute nothing, as in eager autograd
+        (`passes.without_absent_cotangents`, built once per graph and pattern)."""
+        absent = frozenset(k for k, j in enumerate(outputs) if grads[j] is None)
+        if not absent:
+            return gm, [self.cotangent(grads, j, like) for j in outputs]
+        key = (id(gm), absent)
+        pruned = self._pruned.get(key)
+        if pruned is None:
+            cotangents = [n for n in gm.graph.nodes if n.op == "placeholder"][-len(outputs):]
+            pruned = self._pruned[key] = without_absent_cotangents(gm, cotangents, [cotangents[k] for k in absent])
+        return pruned, [None if k in absent else self.cotangent(grads, j, like) for k, j in enumerate(outputs)]
+
+    def plans(self) -> list[Plan]:
+        return [self]
+
+    @functools.cached_property
+    def n_outputs(self) -> int:
+        return self.captured.n_outputs + len(self.captured.mutated)
+
+    @functools.cached_property
+    def _output_nodes(self) -> list[torch.fx.Node]:
+        return list(next(n for n in self.part.forward.graph.nodes if n.op == "output").args[0])
+
+    @functools.cached_property
+    def output_values(self) -> list[Any]:
+        return [node.meta["val"] for node in self._output_nodes]
+
+    @functools.cached_property
+    def nondifferentiable_outputs(self) -> list[int]:
+        """Integer outputs, new values of mutated inputs, and kept values autograd does not
+        track (integers, layer_norm's mean and rstd, dropout's mask)."""
+        kept = range(self.n_outputs, len(self._output_nodes) - self.part.checked)  # debug values are not
+        diff = set(self.float_outputs) | {
+            j
+            for j in kept
+            if _is_float(self.output_values[j])
+            and self._output_nodes[j].meta.get("custom", {}).get(DIFFERENTIABLE_KEY, True)
+        }
+        return [j for j in range(len(self._output_nodes)) if j not in diff]
+
+    def cotangent(self, grads: Sequence[torch.Tensor | None], position: int, like: Sequence[Any]) -> torch.Tensor:
+        """The incoming gradient of one output, as the traced backward expects it.
+
+        Backward graphs were traced with contiguous tangents (their view ops assume it);
+        autograd may hand over expanded or transposed gradients, and None for unused ones.
+        """
+        grad = grads[position]
+        if grad is not None:
+            return grad.contiguous()
+        val = self.output_values[position]
+        device = next((t.device for t in like if isinstance(t, torch.Tensor)), val.device)
+        return torch.zeros(tuple(val.shape), dtype=val.dtype, device=device)
+
+    @functools.cached_property
+    def _second_order(self) -> tuple[Partition, list[int], list[int]]:
+        """The joint of the pure forward with cotangents for its kept values too, split
+        keeping exactly what the first-order forward keeps; its cotangent outputs and the
+        first-order residual positions."""
+        values = self.output_values
+        cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
+        n_states = len(self.part.replayed) + self.part.checked
+        n_values = len(values) - n_states  # rng states and debug values are not values of the pure graph
+        joint = vjp_of_graph(self.part.forward_pure, self.captured.input_values, self.diff_inputs, cotangent_outputs)
+        outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][:n_values]
+        residuals = self.part.residual_outputs[: len(self.part.residual_outputs) - n_states]
+        chosen = {outs[j] for j in residuals}
+        full = partition(joint, len(self.captured.input_values), n_values, chosen.__contains__, exact=True)
+        return full, cotangent_outputs, residuals
+
+    def keep_inputs_for_second_order(self) -> None:
+        """Called when the plan is traced under nested gradients (torch.func.grad of grad,
+        jacrev of jacrev): keep the inputs second order needs, even those first order does not."""
+        full, _, _ = self._second_order
+        self.extra_inputs = [i for i in full.saved_inputs if i not in self.part.saved_inputs]
+
+    @functools.cached_property
+    def every_input_differentiable(self) -> bool:
+        """Whether the backward's gradients are those of every input, in order."""
+        return self.diff_inputs == list(range(len(self.captured.input_values)))
+
+    @functools.cached_property
+    def n_first_order_kept(self) -> int:
+        return len(self.part.saved_inputs) + len(self.part.residual_outputs)
+
+    def higher_order(self) -> tuple[Partition, list[int], list[int]]:
+        """A backward that also takes cotangents for the kept values, and where each of its
+        kept inputs sits among the Function's saved tensors (built once, lazily)."""
+        with TRACE_LOCK, dispatch_modes_off():  # traces (make_fx keeps process-wide state): one at a time in the process
+            if self._higher_order is None:
+                self._higher_order = self._build_higher_order()
+        return self._higher_order
+
+    def _build_higher_order(self) -> tuple[Partition, list[int], list[int]]:
+        full, cotangent_outputs, residuals = self._second_order
+        full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
+        kept_inputs = self.part.saved_inputs + self.extra_inputs
+        missing = [self.captured.input_paths[i] for i in full.saved_inputs if i not in kept_inputs]
+        inner = [f"output {j}" for j in full_residuals if j not in residuals]
+        inner += [f"random op {k}" for k in full.replayed if k not in self.part.replayed]
+        if missing or inner:
+            raise RematError(
+                f"remat({self.region}): this second-order gradient (a backward of a backward) needs "
+                f"{', '.join(f'`{m}`' for m in missing + inner)}, which the first-order backward did "
+                "not need, so remat did not keep it. Nest torch.func transforms instead "
+                "(grad(grad(...)), jacrev(jacrev(...)), hessian): remat sees the nesting when it traces "
+                "and keeps what second order needs; or use a policy that keeps more for this region."
+            )
+        order = [
+            self.part.saved_inputs.index(i) if i in self.part.saved_inputs
+            else self.n_first_order_kept + self.extra_inputs.index(i)
+            for i in full.saved_inputs
+        ]
+        offset = len(self.part.saved_inputs)
+        order += [offset + residuals.index(j) for j in full_residuals]
+        order += [offset + len(residuals) + self.part.replayed.index(k) for k in full.replayed]
+        return full, order, cotangent_outputs
+
+
+def eager_under_vmap(captured: Captured, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether, called under a vmap (the innermost transform) with these inputs, the region
+    must run as it is, without remat, to be exact; two cases, both rare:
+    - torch's generated vmap rule runs the backward per batch element and sums what
+      unbatched inputs get, so an output computed from unbatched inputs only (batched by
+      nothing; a draw under `randomness="different"` is batched), whose one cotangent every
+      element's backward reads, would add to those inputs' gradients batch-size times;
+    - under `randomness="different"`, an in-place random fill: eager `empty_like(x).uniform_()`
+      draws per element when `x` is batched, where remat's graph draws into a fresh tensor
+      vmap does not batch; eager `torch.empty(3, 4).uniform_()` raises (an unbatched tensor
+      cannot be filled differently per element), which running the region as it is repeats."""
+    if torch.compiler.is_compiling() or not transforms_active():  # dynamo resuming after a break: no vmap
+        return False
+    if captured.fills_like and vmap_randomness_different() and any(has_batched_level(t) for t in inputs):
+        return True
+    vmap = innermost_vmap()
+    if vmap is None:
+        return False
+    level, randomness = vmap
+    batched = tuple(batched_at(t, level) for t in inputs)
+    if all(batched) or not any(needs and not b for needs, b in zip(captured.input_needs_grad, batched)):
+        return False
+    return _output_of_unbatched_inputs(captured.graph, tuple(captured.output_differentiable), batched, randomness)
+
+
+@functools.lru_cache(maxsize=256)
+def _output_of_unbatched_inputs(
+    gm: torch.fx.GraphModule, differentiable: tuple[bool, ...], batched: tuple[bool, ...], randomness: str
+) -> bool:
+    """Whether a differentiable output of `gm` is computed from unbatched inputs only."""
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    reached = {n for n, b in zip(placeholders, batched) if b}
+    for node in graph.nodes:
+        if node.op == "call_function" and (
+            any(i in reached for i in node.all_input_nodes) or (randomness == "different" and is_random(node))
+        ):
+            reached.add(node)
+    outs = next(n for n in graph.nodes if n.op == "output").args[0]
+    return any(d and isinstance(out, torch.fx.Node) and out not in reached for out, d in zip(outs, differentiable))
+
+
+def _second_run(checked: dict[int, Callable[..., Any]], gm: torch.fx.GraphModule, *inputs: Any) -> Any:
+    """A graph's second run: from now on it runs through its direct code (built now, not on
+    the first run, so a size seen once, as in a variable-length loop, never pays for it:
+    about 4 ms for a Llama layer's forward and backward graphs)."""
+    checked[id(gm)] = direct_code(gm)
+    return gm.forward(*inputs)
+
+
+class RematFunction(torch.autograd.Function):
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(plan: Plan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(plan.run(plan.part.forward, *inputs))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        plan: Plan = inputs[0]
+        args = inputs[1:]
+        ctx.plan = plan
+        kept = [args[i] for i in plan.part.saved_inputs] + [output[j] for j in plan.part.residual_outputs]
+        if plan.extra_inputs:
+            kept += [args[i] for i in plan.extra_inputs]
+        ctx.save_for_backward(*kept)
+        if plan.nondifferentiable_outputs:
+            ctx.mark_non_differentiable(*[output[j] for j in plan.nondifferentiable_outputs])
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        plan: Plan = ctx.plan
+        kept = ctx.saved_tensors
+        second_order = len(grads) > plan.n_outputs and any(g is not None for g in grads[plan.n_outputs:])
+        # a backward that builds a graph (create_graph=True) runs the derivatives eager code then runs
+        builds_graph = torch.is_grad_enabled() and not plan.builds_graph and not plan.part.offloaded
+        if second_order or builds_graph:
+            if plan.part.offloaded:
+                raise RematError(
+                    f"remat({plan.region}): this second-order gradient (a backward of a backward) would "
+                    "differentiate through values the policy offloaded to host memory, which remat does not "
+                    "support. Nest torch.func transforms instead (remat then keeps those values where they "
+                    "are), or use a policy that keeps or recomputes them."
+                )
+            full, order, cotangent_outputs = plan.higher_order()
+            backward, cotangents = plan.backward_for(full.backward, grads, cotangent_outputs, kept)
+            input_grads = plan.run(backward, *[kept[k] for k in order], *cotangents)
+        else:
+            backward, tangents = plan.backward_for(plan.part.backward, grads, plan.float_outputs, kept)
+            first_order = kept if len(kept) == plan.n_first_order_kept else kept[: plan.n_first_order_kept]
+            input_grads = plan.run(backward, *first_order, *tangents)
+        if plan.every_input_differentiable:
+            return (None, *input_grads)
+        result: list[torch.Tensor | None] = [None] * (len(plan.captured.input_values) + 1)
+        for i, g in zip(plan.diff_inputs, input_grads):
+            result[i + 1] = g
+        return tuple(result)
+
+
+def _cache_forward_signature() -> None:
+    """Function.apply (called under torch.func transforms) binds its arguments to
+    `forward`'s signature on every call; a precomputed `__signature__` makes computing
+    the signature a lookup (torch 2.13, autograd/function.py apply)."""
+    forward = RematFunction.forward
+    forward.__signature__ = inspect.signature(forward)  # type: ignore[attr-defined]
+
+
+_cache_forward_signature()

@@ -1,0 +1,119 @@
+"""Layouts: a graph runs on real tensors as it was traced on fake ones, or not at all.
+
+Graphs are traced on fake tensors whose metadata comes from each op's meta function. A
+real kernel may disagree: CPU layer norm returns float32 statistics for bfloat16 input
+where its meta function says bfloat16; any kernel may lay out its output otherwise than
+its meta function says. The op itself is what eager code runs too, so its real value is right; what can
+go wrong is the rest of the graph, traced under the wrong belief (autocast inserts a cast
+only where it sees another dtype; `as_strided` reads memory order). So the first run of
+each graph of a plan goes node by node and compares every value with what was traced:
+- an op whose inputs were as traced may differ (the meta function's mistake): accepted,
+  and its value marked;
+- an op that reads a marked value and itself differs from the trace is where the graph
+  parts from eager code: RematError, naming both ops and lines;
+- a value whose strides differ and that an `as_strided` reads: RematError likewise.
+The check reads metadata only, once per graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+
+from .._core.errors import RematError
+from .._core.nodes import SOURCE_KEY, is_view, producer
+from .._core.torch_internals import OpOverload, has_batched_level
+
+_MEMORY_ORDER_OPS = {torch.ops.aten.as_strided, torch.ops.aten.as_strided_copy, torch.ops.aten.as_strided_scatter}
+
+
+def _strides_agree(real: torch.Tensor, traced: torch.Tensor) -> bool:
+    """Strides matter only along dimensions with more than one element."""
+    if real.numel() == 0:
+        return True
+    return all(size == 1 or a == b for size, a, b in zip(real.shape, real.stride(), traced.stride()))
+
+
+def _describe(t: Any) -> str:
+    return f"{t.dtype} {list(t.shape)} on {t.device}"
+
+
+def _source(n: torch.fx.Node) -> str:
+    custom = n.meta.get("custom", {}) or producer(n).meta.get("custom", {})
+    return str(custom.get(SOURCE_KEY, "an unknown line"))
+
+
+def _reader_of_memory_order(n: torch.fx.Node) -> torch.fx.Node | None:
+    """An `as_strided` that reads `n`'s memory, directly or through views."""
+    stack, seen = [n], set()
+    while stack:
+        node = stack.pop()
+        for user in node.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if getattr(user.target, "overloadpacket", None) in _MEMORY_ORDER_OPS and user.args[0] is node:
+                return user
+            if is_view(user):
+                stack.append(user)
+    return None
+
+
+class _LayoutCheck(torch.fx.Interpreter):
+    """Runs a graph, comparing each value with the traced one (see the module docstring)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, region: str) -> None:
+        super().__init__(gm)
+        self.region = region
+        self.differs: dict[torch.fx.Node, torch.fx.Node] = {}  # value -> the op where it first differed
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.op not in ("placeholder", "call_function"):
+            return out
+        upstream = next((self.differs[a] for a in n.all_input_nodes if a in self.differs), None)
+        op = producer(n).target
+        traced = n.meta.get("val")
+        if not isinstance(out, torch.Tensor) or not isinstance(traced, torch.Tensor) or not (
+            n.op == "placeholder" or isinstance(op, OpOverload)
+        ):
+            if upstream is not None:  # a tuple of values, or remat's own step: passes the mark on
+                self.differs[n] = upstream
+            return out
+        if out.shape != traced.shape or out.dtype != traced.dtype or out.device.type != traced.device.type:
+            if (upstream is not None and not is_view(n)) or out.device.type != traced.device.type:
+                origin = upstream or n
+                raise RematError(
+                    f"remat({self.region}): `{op}` at {_source(n)} gave {_describe(out)} where it was traced as "
+                    f"{_describe(traced)}, because `{producer(origin).target}` at {_source(origin)} gives values "
+                    "its meta function describes otherwise. The traced graph parts from eager code here "
+                    "(e.g. autocast casts chosen for the traced dtype). Keep these ops out of the remat'd "
+                    "function, and please report it."
+                )
+            self.differs[n] = upstream or n
+        elif upstream is not None and n.op == "call_function" and not is_view(n):
+            pass  # an op that read an unexpected value but gave what was traced: the mark stops here
+        elif upstream is not None:
+            self.differs[n] = upstream
+        if out.layout == torch.strided and not _strides_agree(out, traced):
+            reader = _reader_of_memory_order(n)
+            if reader is not None:
+                raise RematError(
+                    f"remat({self.region}): `{op}` at {_source(n)} laid out its result with strides "
+                    f"{list(out.stride())} where it was traced with {list(traced.stride())}, and "
+                    f"`{reader.target}` at {_source(reader)} reads that memory order, so the traced graph "
+                    "computes something else than eager code. Keep these ops out of the remat'd "
+                    "function, or make the value contiguous before the as_strided."
+                )
+        return out
+
+
+def run_checked(gm: torch.fx.GraphModule, region: str, *inputs: Any) -> tuple[Any, bool]:
+    """Run `gm` on `inputs`, checking values against the trace when it can (not under vmap,
+    whose batched tensors have other strides): returns the outputs and whether it checked."""
+    if any(isinstance(t, torch.Tensor) and has_batched_level(t) for t in inputs):
+        gm.code  # a lazy graph module generates its forward here (its first forward would call gm(...))
+        return gm.forward(*inputs), False  # not gm(...): module hooks (a global one) are not for remat's graphs
+    return _LayoutCheck(gm, region).run(*inputs), True

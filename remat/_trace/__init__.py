@@ -1,0 +1,1 @@
+"""From a call to graphs: splitting the arguments, stage 1 (the user's function to a pure aten graph), the recorder, the named rewrite passes, mutations, stage 2 (the joint graph), and torch's tracing errors turned into remat's. Imports only _core."""

@@ -1,0 +1,496 @@
+"""Splitting one call into traced tensors and static everything-else, and its cache key.
+
+Tensor leaves of the argument pytrees become graph inputs; every other leaf is static
+(part of the cache key, so it must be hashable). Tensors the function reaches through its
+closure (captured tensors, nn.Module parameters and buffers) are collected per call, so a
+tensor that an enclosing torch.func transform differentiates is passed in, never baked in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import functools
+import inspect
+import operator
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import optree
+import torch
+
+from .._core.errors import RematError, RematStateWarning
+from .._core.locking import TRACE_LOCK
+from .._core.sources import is_installed_code
+from .._core.torch_internals import autocast_state, nested_gradients, transform_levels, transforms_active
+
+
+@dataclass(frozen=True, repr=False)
+class _Static:
+    """A whole argument declared static through static_argnums/static_argnames."""
+
+    value: Any
+
+    def __repr__(self) -> str:  # as the value (what a retrace warning says changed)
+        return repr(self.value)
+
+
+@dataclass
+class Call:
+    """One call, split: the tensors to trace with and how to put the arguments back."""
+
+    tensors: list[torch.Tensor]
+    tensor_paths: Sequence[str]
+    captured: list[torch.Tensor]
+    captured_paths: list[str]
+    captured_setters: list[Callable[[Any], None] | None]
+    static_leaves: list[Any]
+    spec: Any
+    tensor_positions: Sequence[int]
+    key: tuple[Any, ...]
+    leaf_paths: Sequence[str] = ()  # readable path of every leaf
+
+    def objects(self) -> list[tuple[str, Any]]:
+        """The static leaves that are objects (not tensors, numbers or strings), by path:
+        what a function could store values in."""
+        return [
+            (path, leaf.value if isinstance(leaf, _Static) else leaf)
+            for path, leaf in zip(self.leaf_paths, self.static_leaves)
+            if not isinstance(leaf, torch.Tensor) and not isinstance(leaf.value if isinstance(leaf, _Static) else leaf, _PLAIN)
+        ]
+
+    def key_without_sizes(self) -> tuple[Any, ...]:
+        """The cache key with each tensor's shape and strides reduced to its number of
+        dimensions: calls that differ only in sizes (and layouts) share it."""
+        key = list(self.key)
+        n_leaves = len(self.static_leaves)
+        for index in [1 + p for p in self.tensor_positions] + [1 + n_leaves + j for j in range(len(self.captured))]:
+            shape, _, *rest = key[index]
+            key[index] = (len(shape), *rest)
+        return tuple(key)
+
+    def key_labels(self) -> list[str]:
+        """What each part of `key` stands for, to say what changed between traces."""
+        return [
+            "the arguments' structure",
+            *(f"argument {p}" for p in self.leaf_paths),
+            *(f"captured {p or 'tensor'}" for p in self.captured_paths),
+            "values read from the closure or module settings",
+            "grad mode",
+            "torch.func transforms",
+            "nested gradients",
+            "autocast",
+        ]
+
+    def storage_offsets(self) -> tuple[int, ...]:
+        """Where each tensor starts in its storage (the graph of `as_strided` depends on it)."""
+        return tuple(_storage_offset(t) for t in (*self.tensors, *self.captured))
+
+    def rebuild(self, tensors: Sequence[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The (args, kwargs) of this call with `tensors` in place of its tensor leaves."""
+        leaves = list(self.static_leaves)
+        for position, tensor in zip(self.tensor_positions, tensors):
+            leaves[position] = tensor
+        leaves = [leaf.value if isinstance(leaf, _Static) else leaf for leaf in leaves]
+        args, kwargs = optree.tree_unflatten(self.spec, leaves)
+        return tuple(args), dict(kwargs)
+
+    @contextlib.contextmanager
+    def substituted(self, replacements: Sequence[Any]) -> Iterator[None]:
+        """Put `replacements` where the captured tensors live (closure cells, module
+        parameters), for the duration of a trace; tuple-held ones stay as they are."""
+        done = []
+        _SUBSTITUTING[0] += 1
+        try:
+            for setter, original, new in zip(self.captured_setters, self.captured, replacements):
+                if setter is not None:
+                    setter(new)
+                    done.append((setter, original))
+            yield
+        finally:
+            for setter, original in reversed(done):
+                setter(original)
+            _SUBSTITUTING[0] += 1
+
+
+def _storage_offset(t: torch.Tensor) -> int:
+    try:
+        return int(t.storage_offset())
+    except RuntimeError:  # no storage (sparse)
+        return 0
+
+
+def format_path(root: str, keys: Sequence[Any]) -> str:
+    return root + "".join(f"[{k!r}]" for k in keys)
+
+
+def positional_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """The names of `fn`'s positional parameters, for readable argument paths."""
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        return tuple(p.name for p in inspect.signature(target).parameters.values() if p.kind in positional)
+    except (TypeError, ValueError):
+        return ()
+
+
+def tensor_signature(t: torch.Tensor) -> tuple[Any, ...]:
+    """What a traced graph depends on: shape, strides, dtype, device, needs-grad."""
+    try:
+        stride: tuple[int, ...] | None = t.stride()  # a tuple already
+    except RuntimeError:
+        stride = None
+    return (tuple(t.shape), stride, t.dtype, t.device, needs_grad(t))
+
+
+def needs_grad(t: torch.Tensor) -> bool:
+    """Whether any autograd level (plain, or an enclosing torch.func transform) tracks `t`."""
+    if t.requires_grad:  # only floating and complex tensors can
+        return True
+    if not (t.is_floating_point() or t.is_complex()):
+        return False
+    return any(level.requires_grad for level in transform_levels(t)[1:])
+
+
+def split_call(
+    fn: Callable[..., Any],
+    names: tuple[str, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    static_argnums: frozenset[int],
+    static_argnames: frozenset[str],
+    memo: CaptureMemo | None = None,
+) -> Call:
+    """Flatten (args, kwargs) into tensors and static leaves; collect captured tensors
+    (through `memo`, the caller's CaptureMemo of `fn`, when given)."""
+    if not kwargs and not static_argnums:
+        call = _split_tensor_args(fn, names, args, memo)
+        if call is not None:
+            return call
+    return _split_flattened(fn, names, args, kwargs, static_argnums, static_argnames, memo)
+
+
+def _split_flattened(
+    fn: Callable[..., Any],
+    names: tuple[str, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    static_argnums: frozenset[int],
+    static_argnames: frozenset[str],
+    memo: CaptureMemo | None = None,
+) -> Call:
+    """split_call for any call: flattens the arguments with optree."""
+    args = tuple(_Static(a) if (i in static_argnums or i - len(args) in static_argnums) else a for i, a in enumerate(args))
+    kwargs = {k: _Static(v) if k in static_argnames else v for k, v in kwargs.items()}
+    paths, leaves, spec = optree.tree_flatten_with_path((args, kwargs))  # type: ignore[var-annotated,arg-type]
+    tensors: list[torch.Tensor] = []
+    tensor_paths: list[str] = []
+    positions: list[int] = []
+    key: list[Any] = [spec]
+    leaf_paths: list[str] = []
+    for position, (path, leaf) in enumerate(zip(paths, leaves)):
+        if path[0] == 1:
+            root = str(path[1])
+        else:
+            root = names[path[1]] if path[1] < len(names) else f"args[{path[1]}]"
+        readable = format_path(root, path[2:])
+        leaf_paths.append(readable)
+        if isinstance(leaf, torch.Tensor):
+            _refuse_unstrided(fn, readable, leaf)
+            tensors.append(leaf)
+            tensor_paths.append(readable)
+            positions.append(position)
+            key.append(tensor_signature(leaf))
+        else:
+            try:
+                hash(leaf)
+            except TypeError:
+                kind = type(leaf.value if isinstance(leaf, _Static) else leaf).__name__
+                raise TypeError(
+                    f"remat({_qualname(fn)}): argument {readable} is a {kind}, which is "
+                    "neither a tensor nor hashable. Non-tensor arguments are static (part of the "
+                    "cache key), so they must be hashable: pass a tuple instead of a list, or make "
+                    "it a pytree of tensors."
+                ) from None
+            key.append((type(leaf), leaf))
+    return _with_captured(fn, tensors, tensor_paths, leaves, spec, positions, key, leaf_paths, memo)
+
+
+# Tensor types optree flattens as leaves (it registers neither); a subclass of them might
+# be registered as a pytree node, so it takes the general path.
+_LEAF_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _split_tensor_args(
+    fn: Callable[..., Any], names: tuple[str, ...], args: tuple[Any, ...], memo: CaptureMemo | None = None
+) -> Call | None:
+    """The common call, `f(x, w)` with plain strided tensors only: the Call (and key)
+    _split_flattened builds, without flattening. None for any other call."""
+    key: list[Any] = [None]
+    for arg in args:
+        if type(arg) not in _LEAF_TENSORS or arg.layout != torch.strided:
+            return None  # the general path flattens it (or refuses an unstrided tensor)
+        key.append(tensor_signature(arg))
+    spec, paths, positions = _positional_layout(names, len(args))
+    key[0] = spec
+    return _with_captured(fn, list(args), paths, list(args), spec, positions, key, paths, memo)
+
+
+@functools.lru_cache(maxsize=1024)
+def _positional_layout(names: tuple[str, ...], n: int) -> tuple[Any, tuple[str, ...], tuple[int, ...]]:
+    """What flattening `(args, {})` gives for `n` positional leaves: the tree structure,
+    each leaf's readable path, and the leaves' positions."""
+    spec = optree.tree_structure((tuple(object() for _ in range(n)), {}))  # type: ignore[arg-type]
+    return spec, tuple(names[i] if i < len(names) else f"args[{i}]" for i in range(n)), tuple(range(n))
+
+
+def _with_captured(
+    fn: Callable[..., Any],
+    tensors: list[torch.Tensor],
+    tensor_paths: Sequence[str],
+    leaves: list[Any],
+    spec: Any,
+    positions: Sequence[int],
+    key: list[Any],
+    leaf_paths: Sequence[str],
+    memo: CaptureMemo | None,
+) -> Call:
+    """The Call of split arguments, with what `fn` captures and the state a trace depends
+    on added to the key (shared by both ways of splitting)."""
+    captured, captured_paths, captured_setters, flags = _collect_consistently(fn, memo)
+    for captured_path, tensor in zip(captured_paths, captured):
+        _refuse_unstrided(fn, captured_path, tensor)
+        key.append(tensor_signature(tensor))
+    key.append(flags)
+    key.append(torch.is_grad_enabled())
+    transforms = transforms_active()
+    key.append(transforms)  # eager code runs some ops otherwise under torch.func (dropout)
+    key.append(transforms and nested_gradients())  # no transforms: no nesting, and a cheaper answer
+    key.append(autocast_state())
+    return Call(tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key), leaf_paths)
+
+
+# Odd while a trace has put stand-ins where functions find their captured tensors; counts
+# up at every start and end of such a substitution (only ever under TRACE_LOCK).
+_SUBSTITUTING = [0]
+
+
+Collected = tuple[list[torch.Tensor], list[str], list["Setter | None"], tuple[Any, ...]]
+
+
+class CaptureMemo:
+    """What collect_captured last found for one plain function, with the objects it read
+    to find it (its code, closure cells' contents, the globals its code names). While
+    each is the same object and none is one collect_captured walks into (containers,
+    modules, partials, methods, the user's functions), the same walk would find the same
+    things: a call reads those objects and compares identities instead of walking."""
+
+    __slots__ = ("last",)
+
+    def __init__(self) -> None:
+        self.last: tuple[tuple[Any, ...], Collected] | None = None  # one attribute: swapped atomically
+
+    def lookup(self, roots: tuple[Any, ...]) -> Collected | None:
+        last = self.last
+        if last is not None and len(last[0]) == len(roots) and all(map(operator.is_, last[0], roots)):
+            return last[1]
+        return None
+
+    def remember(self, roots: tuple[Any, ...], found: Collected) -> None:
+        if not any(map(_walked_into, roots[2:])):
+            self.last = (roots, found)
+
+
+_ABSENT = object()
+
+
+def _roots(fn: types.FunctionType) -> tuple[Any, ...] | None:
+    """The objects collect_captured reads to walk `fn`: its code, globals, closure cells'
+    contents and the globals its code names (None while a cell is unassigned)."""
+    code = fn.__code__
+    namespace = fn.__globals__
+    try:
+        contents = [cell.cell_contents for cell in fn.__closure__ or ()]
+    except ValueError:
+        return None
+    return (code, namespace, *contents, *[namespace.get(name, _ABSENT) for name in _names_of(code).globals])
+
+
+def _walked_into(value: Any) -> bool:
+    """Whether collect_captured looks inside `value` (see its visit)."""
+    if isinstance(value, types.FunctionType):
+        return not is_installed_code(value.__code__)
+    return isinstance(value, (torch.nn.Module, list, dict, tuple, functools.partial, types.MethodType))
+
+
+def _collect_consistently(fn: Callable[..., Any], memo: CaptureMemo | None = None) -> Collected:
+    """collect_captured, never in the middle of another thread's trace (which would hand
+    out its stand-ins): lock-free unless a substitution started or ended meanwhile. With
+    a memo, a plain function whose reachable objects are unchanged is not walked again
+    (a stand-in put in its closure is another object, so it never matches)."""
+    roots = _roots(fn) if memo is not None and type(fn) is types.FunctionType else None
+    if roots is not None:
+        found = memo.lookup(roots)  # type: ignore[union-attr]
+        if found is not None:
+            return found
+    before = _SUBSTITUTING[0]
+    found = collect_captured(fn)
+    if before % 2 == 0 and _SUBSTITUTING[0] == before:
+        if roots is not None:
+            memo.remember(roots, found)  # type: ignore[union-attr]
+        return found
+    with TRACE_LOCK:
+        return collect_captured(fn)
+
+
+def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor) -> None:
+    """Sparse and other unstrided tensors have no fake stand-in remat can trace with."""
+    if t.layout != torch.strided:
+        raise RematError(
+            f"remat({_qualname(fn)}): argument {path} is a {t.layout} tensor; remat traces strided "
+            "(dense) tensors only. Convert it with `.to_dense()` before the call, or keep the sparse "
+            "op outside the remat'd function."
+        )
+
+
+Setter = Callable[[Any], None]
+_PLAIN = (bool, int, float, complex, str, type(None), torch.dtype, torch.device)
+
+
+class _PlainTypes(dict[type, bool]):
+    """Whether values of a type are plain (`_PLAIN`), decided once per type: reading a
+    module's settings on every call asks it of each attribute, and `isinstance` falls back
+    to a custom `__getattribute__` (transformers' configs) for every non-plain one."""
+
+    def __missing__(self, kind: type) -> bool:
+        self[kind] = plain = issubclass(kind, _PLAIN)
+        return plain
+
+
+_IS_PLAIN = _PlainTypes()
+
+
+def _item_setter(container: Any, key: Any) -> Setter:
+    def set_item(value: Any) -> None:
+        container[key] = value
+
+    return set_item
+
+
+def _cell_setter(cell: Any) -> Setter:
+    def set_cell(value: Any) -> None:
+        cell.cell_contents = value
+
+    return set_cell
+
+
+def collect_captured(fn: Callable[..., Any]) -> Collected:
+    """Tensors `fn` can reach without being passed them: each with a path and a setter.
+
+    Looks through closures, bound methods, functools.partial, containers and nn.Modules
+    (parameters, buffers, training flags). The setter puts another tensor in the same
+    place (None where the container is immutable), so tracing can substitute its own.
+    Also returns the plain values (numbers, strings, module settings such as `training`
+    or `eps`) it can read, which tracing freezes, so they belong in the cache key.
+    """
+    found: list[torch.Tensor] = []
+    paths: list[str] = []
+    setters: list[Setter | None] = []
+    flags: list[Any] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, path: str, setter: Setter | None, depth: int) -> None:
+        if depth > 6 or id(value) in seen or type(value) is types.ModuleType:  # a module (`torch`): nothing to visit
+            return
+        seen.add(id(value))
+        if isinstance(value, types.FunctionType):  # inspect.isfunction, first as the most common
+            if is_installed_code(value.__code__):
+                return
+            names = _names_of(value.__code__)
+            for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
+                try:
+                    contents = cell.cell_contents
+                except ValueError:  # a cell not yet assigned
+                    continue
+                if name not in names.written:  # state the function updates is not an input
+                    visit(contents, name, _cell_setter(cell), depth + 1)
+            namespace = value.__globals__
+            for name in names.globals:  # looked up on every call: a rebound global is seen
+                if name in namespace and name not in names.written and type(namespace[name]) is not types.ModuleType:
+                    visit(namespace[name], name, _item_setter(namespace, name), depth + 1)
+        elif isinstance(value, torch.Tensor):
+            found.append(value)
+            paths.append(path)
+            setters.append(setter)
+        elif isinstance(value, torch.nn.Module):
+            is_plain = _IS_PLAIN
+            for sub_name, sub in value.named_modules():
+                settings = [(k, v) for k, v in vars(sub).items() if k[0] != "_" and is_plain[type(v)]]
+                flags.append((sub_name, type(sub), tuple(settings)))
+                prefix = f"{path}.{sub_name}" if sub_name else path
+                for table in (sub._parameters, sub._buffers):
+                    for name, tensor in table.items():
+                        if tensor is not None and id(tensor) not in seen:  # a tied weight is one input
+                            seen.add(id(tensor))
+                            found.append(tensor)
+                            paths.append(f"{prefix}.{name}")
+                            setters.append(_item_setter(table, name))
+        elif isinstance(value, (list, dict)):
+            items = enumerate(value) if isinstance(value, list) else value.items()
+            for k, item in items:
+                visit(item, format_path(path, [k]), _item_setter(value, k), depth + 1)
+        elif isinstance(value, tuple):
+            for i, item in enumerate(value):
+                visit(item, format_path(path, [i]), None, depth + 1)
+        elif isinstance(value, functools.partial):
+            visit(value.func, path, None, depth + 1)
+            visit(value.args, f"{path}.args", None, depth + 1)
+            visit(value.keywords, f"{path}.keywords", None, depth + 1)
+        elif isinstance(value, types.MethodType):  # inspect.ismethod
+            visit(value.__self__, "self", None, depth + 1)
+            visit(value.__func__, path, None, depth + 1)
+        elif isinstance(value, _PLAIN):
+            flags.append((path, value))  # a number or string read from a closure is traced in
+
+    visit(fn, "self" if isinstance(fn, torch.nn.Module) else "", None, 0)
+    return found, paths, setters, tuple(flags)
+
+
+@dataclass(frozen=True)
+class _Names:
+    globals: tuple[str, ...]  # global names the code (and code nested in it) may read
+    written: frozenset[str]  # nonlocal and global names it assigns
+
+
+@functools.lru_cache(maxsize=4096)
+def _names_of(code: types.CodeType) -> _Names:
+    """What a function's code reads from its globals and what state it assigns."""
+    names: list[str] = []
+    written: set[str] = set()
+    stack = [code]
+    while stack:
+        current = stack.pop()
+        names.extend(current.co_names)
+        written.update(
+            i.argval for i in dis.get_instructions(current) if i.opname in ("STORE_DEREF", "STORE_GLOBAL")
+            and (i.argval in current.co_freevars or i.opname == "STORE_GLOBAL")
+        )
+        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+    if written:
+        warnings.warn_explicit(
+            f"remat: `{getattr(code, 'co_qualname', code.co_name)}` assigns "
+            f"{', '.join(f'`{n}`' for n in sorted(written))} (nonlocal or global). remat runs Python code "
+            "when it traces, not on every call, so such an assignment happens once per trace and the "
+            "graph uses the value it saw then. Keep state outside the remat'd function, or pass it "
+            "as an argument and return the new value.",
+            RematStateWarning,
+            code.co_filename,
+            code.co_firstlineno,
+        )
+    return _Names(tuple(dict.fromkeys(names)), frozenset(written))
+
+
+def _qualname(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__

@@ -1,0 +1,55 @@
+"""The records the stages pass on: the regions a trace met (`Scope`) and what stage 1
+captured of one function (`Captured`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.fx
+
+from .hooks import HookCall, HookSet
+from .randomness import Source
+
+if TYPE_CHECKING:
+    from .arguments import Call
+
+
+@dataclass(frozen=True)
+class Scope:
+    """A remat region met while tracing: the outermost one, or one nested inside it."""
+
+    policy: Callable[..., bool] | None
+    region: str
+
+
+@dataclass
+class Captured:
+    """The stage-1 graph of one function and what it needs per call."""
+
+    graph: torch.fx.GraphModule
+    n_explicit: int  # graph inputs [0, n_explicit) are the call's tensors, in order
+    lifted: list[int]  # then these captured candidates (indices into Call.captured)
+    by_reference: list[torch.Tensor]  # then these tensors, captured from globals or attributes
+    input_paths: list[str]
+    out_spec: Any
+    out_static: list[Any]  # output leaves; None where a tensor goes
+    n_outputs: int  # tensor outputs of the user function
+    mutated: list[int]  # graph inputs whose new values follow the outputs
+    input_needs_grad: list[bool] = field(default_factory=list)
+    scopes: list[Scope] = field(default_factory=list)  # [0] is the region itself, then nested ones
+    input_values: list[Any] = field(default_factory=list)  # fake example of each graph input
+    reads_storage_offsets: bool = False  # as_strided reads an input: plans are per storage offset
+    output_differentiable: list[bool] = field(default_factory=list)  # per tensor output: tracked by autograd
+    # each generator's stream when the function returns; None: every draw continues the stream
+    rng_end: dict[str, Source] | None = field(default_factory=dict)
+    n_hook_outputs: int = 0  # the last of the n_outputs: what module hooks are given (`hooks`)
+    hook_calls: list[HookCall] = field(default_factory=list)
+    hooks: HookSet | None = None  # the hooks of the modules the trace called
+    fills_like: bool = False  # a random fill of a tensor made like another (see _running/executing.eager_under_vmap)
+
+    def graph_inputs(self, call: Call) -> list[torch.Tensor]:
+        """The call's tensors in this graph's input order: its arguments, the captured tensors
+        the graph reads, then the tensors it holds by reference."""
+        return call.tensors + [call.captured[i] for i in self.lifted] + self.by_reference
