@@ -133,11 +133,11 @@ def _compared(stage: str, build: Callable[..., Any], facts_of: Callable[[Any], l
             _STAGE.pop()
 
     def built_with(stand_in: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        remat._trace.tracing.record = stand_in
+        remat._trace.tracing.record_graph = stand_in
         try:
             return build(*args, **kwargs)
         finally:
-            remat._trace.tracing.record = record
+            remat._trace.tracing.record_graph = record
 
     def compared_uncached(*args: Any, **kwargs: Any) -> Any:
         offered = [False]
@@ -173,7 +173,7 @@ def traces_compared() -> Iterator[list[tuple[str, str]]]:
     outermost = not _OUTCOME_LISTS
     differentiate, capture = remat._trace.tracing.differentiate, remat._plans.templates.capture
     if outermost:
-        record = remat._trace.tracing.record
+        record = remat._trace.tracing.record_graph
         compared_joint = _compared("joint", differentiate, graph_facts, record)
         for module in callers:
             module.differentiate = compared_joint  # type: ignore[attr-defined]

@@ -13,6 +13,7 @@ import torch
 from remat.policies import MemoryBudget
 
 from .._core.locking import TRACE_LOCK
+from .._core.no_remat import NO_REMAT, is_no_remat
 from .._core.torch_internals import (
     copy_into,
     dispatch_modes_off,
@@ -55,16 +56,15 @@ def _normalise_argnames(static_argnames: str | Iterable[str]) -> frozenset[str]:
     return frozenset(static_argnames)
 
 
-_NO_REMAT = ("no remat",)
 # A policy that replaces every region's own (wrapped in a 1-tuple, since None is a policy),
-# or _NO_REMAT to run every region's function as it is.
-_OVERRIDE: contextvars.ContextVar[tuple[Any, ...] | None] = contextvars.ContextVar("remat_override", default=None)
+# or NO_REMAT to run every region's function as it is.
+_OVERRIDE: contextvars.ContextVar[tuple[Any, ...] | str | None] = contextvars.ContextVar("remat_override", default=None)
 
 
 @contextlib.contextmanager
-def _overriding(value: tuple[Any, ...]) -> Iterator[None]:
+def _overriding(value: tuple[Any, ...] | str) -> Iterator[None]:
     token = _OVERRIDE.set(value)
-    with overriding_under_compile(None if value is _NO_REMAT else value[0], value is _NO_REMAT):
+    with overriding_under_compile(None if is_no_remat(value) else value[0], is_no_remat(value)):
         try:
             yield
         finally:
@@ -86,7 +86,7 @@ def using_policy(policy: Callable[..., bool] | None) -> Iterator[None]:
 @contextlib.contextmanager
 def without_remat() -> Iterator[None]:
     """Run every remat region's function as it is: plain autograd, for comparison."""
-    with _overriding(_NO_REMAT):
+    with _overriding(NO_REMAT):
         yield
 
 
@@ -201,11 +201,11 @@ class Rematerialized:
         if torch.compiler.is_compiling():  # dynamo traces this: lower to torch's selective checkpointing
             return self._call_under_compile(args, kwargs)
         override = _OVERRIDE.get()
-        policy = self.policy if override is None or override is _NO_REMAT else override[0]
+        policy = self.policy if override is None or is_no_remat(override) else override[0]
         if inside_trace():  # nested in a region being traced: inline, under this region's policy
             with nested_region(policy, self.region):
                 return self.fn(*args, **kwargs)
-        if override is _NO_REMAT or not torch.is_grad_enabled() or forward_ad_active():
+        if is_no_remat(override) or not torch.is_grad_enabled() or forward_ad_active():
             # Nothing to keep, or forward-mode AD (jvp, jacfwd, hessian), whose tangents an
             # autograd.Function's jvp rule cannot make exact under every nesting of
             # transforms: run the function as it is, exactly as without remat.
@@ -245,7 +245,7 @@ class Rematerialized:
 
     def _call_under_compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         override = compiled_override()
-        if isinstance(override, str):  # NO_REMAT_UNDER_COMPILE: without_remat()
+        if is_no_remat(override):  # without_remat()
             return self.fn(*args, **kwargs)
         policy, context = (self.policy, self._compile_context) if override is None else override
         return call_under_compile(self.fn, policy, self.region, context, args, kwargs)

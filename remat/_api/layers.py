@@ -11,6 +11,7 @@ import torch
 
 from remat.policies import memory_budget
 
+from .._core.no_remat import is_no_remat
 from .decorator import remat
 
 PolicySpec = Any  # a policy, a list of them, a function of the layer index, or {name pattern: policy}
@@ -63,13 +64,6 @@ def policy_schedule(spec: PolicySpec, layers: int | Sequence[str]) -> list[Any]:
 
 
 _MISSING = object()
-NO_REMAT = "no remat"
-
-
-def _is_no_remat(policy: Any) -> bool:
-    return isinstance(policy, str) and policy == NO_REMAT
-
-
 def checkpoint_layers(
     layers: torch.nn.ModuleList | Sequence[torch.nn.Module],
     spec: PolicySpec,
@@ -93,14 +87,14 @@ def checkpoint_layers(
     modules = list(layers)
     schedule = policy_schedule(spec, len(modules))
     if budget is not None:
-        counted = [p for p in schedule if not _is_no_remat(p)]
+        counted = [p for p in schedule if not is_no_remat(p)]
         share = budget if isinstance(budget, float) else budget // max(len(counted), 1)
-        schedule = [p if _is_no_remat(p) else memory_budget(share) for p in schedule]
+        schedule = [p if is_no_remat(p) else memory_budget(share) for p in schedule]
     for index, (module, policy) in enumerate(zip(modules, schedule)):
         name = f"{prefix}.{index}" if prefix else f"{type(module).__qualname__}[{index}]"
         original = module.__dict__.get("_remat_original_forward", module.forward)
         module.__dict__["_remat_original_forward"] = original
-        if _is_no_remat(policy):
+        if is_no_remat(policy):
             module.forward = original  # type: ignore[method-assign]
         else:
             module.forward = remat(original, policy=policy, name=name, dynamic=dynamic)  # type: ignore[method-assign]

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import operator
-from typing import Any
+from typing import Any, Iterable
 
 import optree
 import torch
@@ -22,6 +23,41 @@ FILL_LIKE_KEY = "remat_fill_like"  # a random fill drawn into a fresh tensor, wh
 AUTOCAST_CAST_KEY = "remat_autocast_cast"  # a cast autocast made (not the user's `.to`)
 NAME_KEY = "remat_name"  # the name checkpoint_name gave the value
 GRAD_OFF_KEY = "remat_grad_off"  # computed with grad disabled (no_grad, inference_mode): a constant of backward
+
+# The ops that read a tensor's memory by its strides and offset, not by its logical order.
+AS_STRIDED_OPS = frozenset({torch.ops.aten.as_strided, torch.ops.aten.as_strided_copy, torch.ops.aten.as_strided_scatter})
+
+NO_DEFAULT = object()  # an argument without a default in its op's schema
+
+
+@functools.cache
+def schema_defaults(op: OpOverload) -> tuple[list[Any], dict[str, Any]]:
+    """An op's positional arguments' defaults (NO_DEFAULT where none), and its keyword-only
+    arguments' (torch 2.13, FunctionSchema)."""
+    arguments = op._schema.arguments
+    positional = [a.default_value if a.has_default_value() else NO_DEFAULT for a in arguments if not a.kwarg_only]
+    keyword = {a.name: a.default_value for a in arguments if a.kwarg_only and a.has_default_value()}
+    return positional, keyword
+
+
+@functools.cache
+def written_arguments(op: OpOverload) -> tuple[tuple[int, str], ...]:
+    """The (position, name) of each argument an op writes in place, as its schema says."""
+    return tuple((i, a.name) for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+def ancestors(roots: Iterable[Any], stop: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The nodes `roots` are computed from, not looking past `stop` (which are included)."""
+    seen: set[torch.fx.Node] = set()
+    todo = [r for r in roots if isinstance(r, torch.fx.Node)]
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node not in stop:
+            todo.extend(node.all_input_nodes)
+    return seen
 
 
 def producer(node: torch.fx.Node) -> torch.fx.Node:
@@ -102,6 +138,13 @@ def annotate(
             node.meta["custom"] = {**custom, key: value}
         is_item = producer_too and node.op == "call_function" and node.target is operator.getitem
         node = node.args[0] if is_item else None  # type: ignore[assignment]
+
+
+def source_line(node: torch.fx.Node) -> str | None:
+    """The user's `file:line` that made the node's value (its op's, for an output of a
+    multi-output op), if tracing saw one."""
+    custom = node.meta.get("custom", {}) or producer(node).meta.get("custom", {})
+    return custom.get(SOURCE_KEY)
 
 
 def node_name(node: torch.fx.Node) -> str | None:

@@ -257,12 +257,19 @@ def storage_extent(shape: tuple[Any, ...], stride: tuple[Any, ...]) -> Any:
 
 
 def fake_of_layout(
-    mode: Any, shape: tuple[int, ...], stride: tuple[int, ...], offset: int, dtype: torch.dtype, device: torch.device
+    mode: Any, shape: tuple[Any, ...], stride: tuple[Any, ...], offset: Any, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """A fake tensor of this concrete layout, made by wrapping a meta tensor instead of
-    dispatching through the fake mode (about 20x cheaper; torch 2.13, FakeTensor.__new__)."""
+    """A fake tensor of this shape, strides and storage offset. A concrete layout is made by
+    wrapping a meta tensor instead of dispatching through the fake mode (about 20x cheaper;
+    torch 2.13, FakeTensor.__new__); a symbolic one goes through the mode."""
     from torch._subclasses.fake_tensor import FakeTensor
 
+    if not all(type(v) is int for v in (*shape, *stride, offset)):
+        with mode:
+            if offset == 0:
+                return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            base = torch.empty(offset + storage_extent(shape, stride), dtype=dtype, device=device)
+            return base.as_strided(shape, stride, offset)
     if offset == 0:
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     else:
@@ -517,7 +524,7 @@ def apply_function(function: type[torch.autograd.Function], first: Any, tensors:
     taking `*args`), unwraps dead torch.func wrappers and calls the C++ apply, which this
     does directly, the unwrapping with the C++ helper `unwrap_dead_wrappers` loops over
     (torch 2.13, autograd/function.py Function.apply, _functorch/utils.py)."""
-    if _transforms_active():
+    if _functorch_stack_nonempty():
         return function.apply(first, *tensors)
     return _cpp_apply(function, first, *map(_unwrap_if_dead, tensors))
 
@@ -534,7 +541,7 @@ def op_entry_point(namespace: str, name: str, overload: str) -> Callable[..., An
     return op._op if type(op) is torch._ops.OpOverload else None  # type: ignore[no-any-return]
 
 
-_transforms_active = torch._C._are_functorch_transforms_active
+_functorch_stack_nonempty = torch._C._are_functorch_transforms_active  # transforms_active's answer, from C++
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _cpp_apply = vars(torch._C._FunctionBase)["apply"]  # called with the Function class first
 

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from remat.policies import MemoryBudget, Offload
 
 from .._core.errors import RematError
+from .._core.no_remat import NO_REMAT
 from .._core.nodes import meta_arguments, meta_like, producer
 from .._core.torch_internals import dispatch_modes_off, tracing_node, transforms_active_while_compiling
 from .asking import answer_of
@@ -52,7 +53,7 @@ NAMED_COPY = torch.ops.remat.checkpoint_name.default
 def name_under_compile(x: Any, name: str) -> Any:
     """`checkpoint_name` while dynamo traces: every tensor leaf through the naming op
     (none under without_remat(), where nothing reads names)."""
-    if compiled_override() == NO_REMAT_UNDER_COMPILE:
+    if compiled_override() == NO_REMAT:
         return x
     return pytree.tree_map(lambda leaf: _named_copy(leaf, name) if isinstance(leaf, torch.Tensor) else leaf, x)
 
@@ -137,9 +138,8 @@ _CHECKPOINT_OWN_ARGUMENTS = frozenset(inspect.signature(checkpoint).parameters) 
 
 # Dynamo cannot read a ContextVar (remat's override of every region's policy), so code
 # compiled by torch.compile reads this process-wide copy instead: (policy, its selective
-# context built here, outside traced code), or NO_REMAT_UNDER_COMPILE. Dynamo guards on it
-# and recompiles when it changes.
-NO_REMAT_UNDER_COMPILE = "no remat"
+# context built here, outside traced code), or NO_REMAT. Dynamo guards on it and
+# recompiles when it changes.
 _override: tuple[Any, ...] | str | None = None
 
 
@@ -151,7 +151,7 @@ def compiled_override() -> tuple[Any, ...] | str | None:
 def overriding_under_compile(policy: Callable[..., Any] | None, no_remat: bool) -> Iterator[None]:
     global _override
     previous = _override
-    _override = NO_REMAT_UNDER_COMPILE if no_remat else (policy, selective_context(policy, "using_policy"))
+    _override = NO_REMAT if no_remat else (policy, selective_context(policy, "using_policy"))
     try:
         yield
     finally:

@@ -23,7 +23,7 @@ from remat.policies import (
     dots_with_no_batch_dims_saveable,
 )
 
-from .._core.nodes import SCOPE_KEY, SOURCE_KEY, is_random, is_tuple, is_view, node_name, producer
+from .._core.nodes import SCOPE_KEY, ancestors, is_random, is_tuple, is_view, node_name, producer, source_line
 from .._core.torch_internals import graph_module
 from .._trace.passes import (
     drop_saved_value_detaches,
@@ -95,16 +95,9 @@ def _view_root(node: torch.fx.Node) -> torch.fx.Node:
     return node
 
 
-def _ancestors(roots: Iterable[Any], stop: set[torch.fx.Node]) -> set[torch.fx.Node]:
-    found: set[torch.fx.Node] = set()
-    stack = [r for r in roots if isinstance(r, torch.fx.Node)]
-    while stack:
-        node = stack.pop()
-        if node in found or node in stop:
-            continue
-        found.add(node)
-        stack.extend(node.all_input_nodes)
-    return found
+def _computed_from(roots: Iterable[Any], inputs: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    """The op nodes `roots` are computed from, the `inputs` themselves left out."""
+    return ancestors(roots, inputs) - inputs
 
 
 def partition(
@@ -137,16 +130,16 @@ def partition(
     outs, grads = list(output.args[0][:n_outputs]), list(output.args[0][n_outputs:])
     input_set = set(inputs)
 
-    forward_nodes = _ancestors(outs, set(placeholders))
+    forward_nodes = _computed_from(outs, set(placeholders))
     # every output of a multi-output forward op is computed in forward, even one only backward reads
     forward_nodes |= {u for n in forward_nodes if is_tuple(n) for u in n.users}
-    backward_nodes = _ancestors(grads, set(placeholders)) - forward_nodes
+    backward_nodes = _computed_from(grads, set(placeholders)) - forward_nodes
     shape_only_factories(graph, [n for n in graph.nodes if n in backward_nodes])
     shape_only_factories(graph, [n for n in graph.nodes if n in forward_nodes], readers=backward_nodes)
     drop_saved_value_detaches(graph, [n for n in graph.nodes if n in backward_nodes])
     index_fill_as_where(graph, [n for n in graph.nodes if n in backward_nodes])
-    backward_nodes = _ancestors(grads := list(output.args[0][n_outputs:]), set(placeholders)) - forward_nodes
-    if _ancestors(outs, set(inputs)) & set(tangents):
+    backward_nodes = _computed_from(grads := list(output.args[0][n_outputs:]), set(placeholders)) - forward_nodes
+    if _computed_from(outs, set(inputs)) & set(tangents):
         raise AssertionError("remat: a forward output depends on a tangent; please report this bug")
 
     needed: list[torch.fx.Node] = []
@@ -178,7 +171,7 @@ def partition(
         if n.op == "call_function" and n.target is not operator.getitem and is_random(n)
         and n not in forward_nodes and n not in backward_nodes
     ]
-    keep_forward = _ancestors(list(outs) + residual_list + unread_random, set(placeholders))
+    keep_forward = _computed_from(list(outs) + residual_list + unread_random, set(placeholders))
     out_positions = {node: i for i, node in reversed(list(enumerate(outs))) if isinstance(node, torch.fx.Node)}
     checked = [  # an output is not returned twice (that would make autograd drop its gradient)
         n for n in graph.nodes
@@ -251,9 +244,9 @@ def partition(
         backward=_module(joint, backward_graph),
         saved_inputs=[inputs.index(n) for n in saved_list],
         residual_outputs=residual_outputs,
-        kept=[replace(_describe(r), kind="offloaded") if r in offloads else _describe(r) for r in residual_list]
+        kept=[replace(_kept_value(r), kind="offloaded") if r in offloads else _kept_value(r) for r in residual_list]
         + [_describe_state(n) for n in replayed]
-        + [replace(_describe(n), kind="debug") for n in checked],
+        + [replace(_kept_value(n), kind="debug") for n in checked],
         recomputed=[
             _describe_recompute(n)
             for n in graph.nodes
@@ -283,8 +276,7 @@ def _brought_back(graph: torch.fx.Graph, node: torch.fx.Node, host: torch.fx.Nod
 
 def _check(graph: torch.fx.Graph, node: torch.fx.Node, recomputed: torch.fx.Node, original: torch.fx.Node) -> torch.fx.Node:
     """Debug mode: the recomputed value, after checking it equals the forward's."""
-    custom = node.meta.get("custom", {}) or producer(node).meta.get("custom", {})
-    where = f"{producer(node).target} from {custom.get(SOURCE_KEY, 'an unknown line')}"
+    where = f"{producer(node).target} from {source_line(node) or 'an unknown line'}"
     return graph.call_function(check_recomputed, (recomputed, original, where))
 
 
@@ -367,15 +359,14 @@ class _Streams:
 
 
 def _describe_recompute(node: torch.fx.Node) -> RecomputedOp:
-    custom = node.meta.get("custom", {})
-    return RecomputedOp(node.target, custom.get(SOURCE_KEY), flops(node), custom.get(SCOPE_KEY, 0))
+    return RecomputedOp(node.target, source_line(node), flops(node), node.meta.get("custom", {}).get(SCOPE_KEY, 0))
 
 
 def _describe_state(node: torch.fx.Node) -> KeptValue:
     return KeptValue(
         op=node.target,
         name=None,
-        source=node.meta.get("custom", {}).get(SOURCE_KEY),
+        source=source_line(node),
         shape=state_shape(_device_of(node)),
         dtype=torch.uint8,
         kind="rng",
@@ -480,13 +471,13 @@ def _allowed(graph: torch.fx.Graph, forward_nodes: set[torch.fx.Node], decide: D
     return allowed
 
 
-def _describe(node: torch.fx.Node) -> KeptValue:
+def _kept_value(node: torch.fx.Node) -> KeptValue:
     val = node.meta["val"]
     custom = node.meta.get("custom", {}) or producer(node).meta.get("custom", {})
     return KeptValue(
         op=producer(node).target,
         name=node_name(node) or node_name(producer(node)),
-        source=custom.get(SOURCE_KEY),
+        source=source_line(node),
         shape=tuple(val.shape),
         dtype=val.dtype,
         scope=custom.get(SCOPE_KEY, 0),

@@ -106,14 +106,14 @@ def _what_changed(previous: tuple[tuple[Any, ...], Sequence[str]] | None, key: t
     if previous is None or len(previous[0]) != len(key):
         return "the arguments' structure changed"
     changes = [
-        f"{label}: {_describe(old)} -> {_describe(new)}"
+        f"{label}: {_describe_part(old)} -> {_describe_part(new)}"
         for label, old, new in zip(labels, previous[0], key)
         if old != new
     ]
     return "the last trace differed from the one before in " + "; ".join(changes[:4]) if changes else "nothing changed"
 
 
-def _describe(part: Any) -> str:
+def _describe_part(part: Any) -> str:
     """A key part: a tensor signature (shape, strides, dtype, device, needs grad), a static
     value as (type, value), or anything else."""
     if isinstance(part, tuple) and len(part) == 5 and isinstance(part[0], tuple):

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any, Iterable, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
-from .._core.nodes import is_random
+from .._core.nodes import ancestors, is_random
 from .._core.torch_internals import graph_module
 from .._trace.randomness import steps_of
 from .._trace.records import Captured
@@ -63,7 +63,7 @@ def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[list[
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
     n_mutated = len(captured.mutated)
-    live = _ancestors(outs, stop=set())  # what the outputs are computed from (not a dead detach)
+    live = ancestors(outs, stop=set())  # what the outputs are computed from (not a dead detach)
     cuts = {
         outs[j]
         for j in range(captured.n_outputs - captured.n_hook_outputs)  # what hooks are given does not split
@@ -80,8 +80,8 @@ def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[list[
     cut_nodes = list(dict.fromkeys(outs[j] for j in first_positions))
     placements = [[j for j in first_positions if outs[j] is node] for node in cut_nodes]
 
-    first_nodes = _ancestors([outs[j] for j in first_positions], stop=set())
-    rest_nodes = _ancestors([outs[j] for j in rest_positions], stop=set(cut_nodes))
+    first_nodes = ancestors([outs[j] for j in first_positions], stop=set())
+    rest_nodes = ancestors([outs[j] for j in rest_positions], stop=set(cut_nodes))
     reseeds = captured.rng_end is not None and steps_of(graph.nodes, captured.rng_end) is not None
     if not _random_draws_keep_their_order(graph, first_nodes, rest_nodes) or reseeds:
         return None  # (the function's own reseeding is replayed by one forward graph)
@@ -114,20 +114,6 @@ def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[list[
         input_paths=[*captured.input_paths, *(f"output {outs.index(node)} of the region" for node in cut_nodes)],
     )
     return first, rest, placements
-
-
-def _ancestors(roots: Iterable[Any], stop: set[torch.fx.Node]) -> set[torch.fx.Node]:
-    """The nodes `roots` are computed from, not looking past `stop` (which are included)."""
-    seen: set[torch.fx.Node] = set()
-    todo = [r for r in roots if isinstance(r, torch.fx.Node)]
-    while todo:
-        node = todo.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node not in stop:
-            todo.extend(node.all_input_nodes)
-    return seen
 
 
 def _random_draws_keep_their_order(graph: torch.fx.Graph, first: set[torch.fx.Node], rest: set[torch.fx.Node]) -> bool:

@@ -23,10 +23,8 @@ import torch
 import torch.fx
 
 from .._core.errors import RematError
-from .._core.nodes import SOURCE_KEY, is_view, producer
+from .._core.nodes import AS_STRIDED_OPS, is_view, producer, source_line
 from .._core.torch_internals import OpOverload, has_batched_level
-
-_MEMORY_ORDER_OPS = {torch.ops.aten.as_strided, torch.ops.aten.as_strided_copy, torch.ops.aten.as_strided_scatter}
 
 
 def _strides_agree(real: torch.Tensor, traced: torch.Tensor) -> bool:
@@ -36,13 +34,12 @@ def _strides_agree(real: torch.Tensor, traced: torch.Tensor) -> bool:
     return all(size == 1 or a == b for size, a, b in zip(real.shape, real.stride(), traced.stride()))
 
 
-def _describe(t: Any) -> str:
+def _describe_layout(t: Any) -> str:
     return f"{t.dtype} {list(t.shape)} on {t.device}"
 
 
 def _source(n: torch.fx.Node) -> str:
-    custom = n.meta.get("custom", {}) or producer(n).meta.get("custom", {})
-    return str(custom.get(SOURCE_KEY, "an unknown line"))
+    return source_line(n) or "an unknown line"
 
 
 def _reader_of_memory_order(n: torch.fx.Node) -> torch.fx.Node | None:
@@ -54,7 +51,7 @@ def _reader_of_memory_order(n: torch.fx.Node) -> torch.fx.Node | None:
             if user in seen:
                 continue
             seen.add(user)
-            if getattr(user.target, "overloadpacket", None) in _MEMORY_ORDER_OPS and user.args[0] is node:
+            if getattr(user.target, "overloadpacket", None) in AS_STRIDED_OPS and user.args[0] is node:
                 return user
             if is_view(user):
                 stack.append(user)
@@ -86,8 +83,8 @@ class _LayoutCheck(torch.fx.Interpreter):
             if (upstream is not None and not is_view(n)) or out.device.type != traced.device.type:
                 origin = upstream or n
                 raise RematError(
-                    f"remat({self.region}): `{op}` at {_source(n)} gave {_describe(out)} where it was traced as "
-                    f"{_describe(traced)}, because `{producer(origin).target}` at {_source(origin)} gives values "
+                    f"remat({self.region}): `{op}` at {_source(n)} gave {_describe_layout(out)} where it was traced as "
+                    f"{_describe_layout(traced)}, because `{producer(origin).target}` at {_source(origin)} gives values "
                     "its meta function describes otherwise. The traced graph parts from eager code here "
                     "(e.g. autocast casts chosen for the traced dtype). Keep these ops out of the remat'd "
                     "function, and please report it."

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from .._core.errors import RematTraceError
-from .._core.nodes import SOURCE_KEY, comes_after
+from .._core.nodes import comes_after, source_line, written_arguments
 from .._core.torch_internals import OpOverload
 from .passes import argument
 
@@ -50,12 +50,7 @@ def _mutated_arguments(node: torch.fx.Node) -> list[Any]:
         return []
     if node.target in _UNDECLARED_MUTATIONS and node.args[5]:  # training: updates the statistics
         return [node.args[i] for i in _UNDECLARED_MUTATIONS[node.target]]
-    schema = node.target._schema
-    return [
-        node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
-        for i, a in enumerate(schema.arguments)
-        if a.alias_info is not None and a.alias_info.is_write
-    ]
+    return [node.args[i] if i < len(node.args) else node.kwargs.get(name) for i, name in written_arguments(node.target)]
 
 
 def functionalize_remaining_mutations(gm: torch.fx.GraphModule, fn_name: str) -> None:
@@ -79,7 +74,7 @@ def functionalize_remaining_mutations(gm: torch.fx.GraphModule, fn_name: str) ->
         if twin is not None and all(m.op != "placeholder" for m in mutated):
             _rewrite_to_twin(graph, node, twin)
             continue
-        where = node.meta.get("custom", {}).get(SOURCE_KEY, "an unknown line")
+        where = source_line(node) or "an unknown line"
         raise RematTraceError(
             f"remat({fn_name}): `{node.target}` at {where} updates a tensor in place in a way remat "
             "cannot make functional, so recompute would update it again. Compute the new value "

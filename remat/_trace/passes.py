@@ -24,10 +24,13 @@ from .._core.nodes import (
     BACKWARD_KEY,
     FILL_LIKE_KEY,
     GRAD_OFF_KEY,
+    NO_DEFAULT,
     USER_DETACH_KEY,
     comes_after,
     is_tuple,
     is_view,
+    schema_defaults,
+    written_arguments,
 )
 from .._core.ops import VALUE_WITH_GRAD_OF
 from .._core.torch_internals import OpOverload, graph_module, new_fake_mode
@@ -400,9 +403,10 @@ def read_mutated_inputs_from_copies(graph: torch.fx.Graph, mutated: Sequence[tor
 def _positional_with_defaults(node: torch.fx.Node) -> list[Any]:
     """The node's positional arguments, with the defaults that tracing left out filled in
     (the functional twin of an op may have no default where the in-place op had one)."""
-    schema = node.target._schema  # type: ignore[union-attr]
-    positional = [a for a in schema.arguments if not a.kwarg_only]
-    return [*node.args, *(a.default_value for a in positional[len(node.args):] if a.name not in node.kwargs)]
+    defaults, _ = schema_defaults(node.target)  # type: ignore[arg-type]
+    names = [a.name for a in node.target._schema.arguments if not a.kwarg_only]  # type: ignore[union-attr]
+    left_out = zip(names[len(node.args):], defaults[len(node.args):])
+    return [*node.args, *(None if d is NO_DEFAULT else d for name, d in left_out if name not in node.kwargs)]
 
 
 def argument(node: torch.fx.Node, position: int, default: Any) -> Any:
@@ -416,7 +420,7 @@ def writes_in_place(node: torch.fx.Node) -> bool:
     """Whether an op node writes one of its arguments (its schema says so)."""
     if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return False
-    return any(a.alias_info is not None and a.alias_info.is_write for a in node.target._schema.arguments)
+    return bool(written_arguments(node.target))
 
 
 def check_invariants(gm: torch.fx.GraphModule, allow_input_copies: bool = False) -> None:
@@ -470,8 +474,7 @@ def _out_of_place_twin(node: torch.fx.Node) -> Any:
     same strides); else None."""
     op = node.target
     schema = op._schema  # type: ignore[union-attr]
-    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-    if not (schema.name.startswith("aten::") and schema.name.endswith("_")) or written != schema.arguments[:1]:
+    if not (schema.name.startswith("aten::") and schema.name.endswith("_")) or [i for i, _ in written_arguments(op)] != [0]:
         return None
     if torch.Tag.nondeterministic_seeded in op.tags:  # type: ignore[union-attr]
         return None  # random fills have their own pass

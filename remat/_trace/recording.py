@@ -14,7 +14,6 @@ make_fx instead; so does any error, so errors are make_fx's own.
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import operator
 import weakref
@@ -24,6 +23,7 @@ import torch
 import torch.fx
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .._core.nodes import NO_DEFAULT, schema_defaults
 from .._core.torch_internals import (
     FakeTensor,
     active_dispatch_modes,
@@ -207,20 +207,8 @@ def _node_name(func: Any, graph: torch.fx.Graph) -> str | None:
     return entry[1]
 
 
-_NO_DEFAULT = object()
-
-
-@functools.cache
-def _defaults(func: Any) -> tuple[list[Any], dict[str, Any]]:
-    """`func`'s positional arguments' defaults (`_NO_DEFAULT` where none), and its
-    keyword-only arguments' (torch 2.13, FunctionSchema)."""
-    positional = [a.default_value if a.has_default_value() else _NO_DEFAULT for a in func._schema.arguments if not a.kwarg_only]
-    keyword = {a.name: a.default_value for a in func._schema.arguments if a.kwarg_only and a.has_default_value()}
-    return positional, keyword
-
-
 def _is_default(value: Any, default: Any) -> bool:
-    return default is not _NO_DEFAULT and type(value) is type(default) and bool(value == default)
+    return default is not NO_DEFAULT and type(value) is type(default) and bool(value == default)
 
 
 def _as_passed_on(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tuple[Sequence[Any], dict[str, Any]]:
@@ -229,7 +217,7 @@ def _as_passed_on(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> tup
     defaults). An op called from C++ can arrive with them: an absent optional tensor is an
     undefined tensor there, which torch does not count as its default None
     (`_embedding_bag`'s `per_sample_weights` from `embedding_bag`)."""
-    positional, keyword = _defaults(func)
+    positional, keyword = schema_defaults(func)
     n = len(args)
     while n and n <= len(positional) and _is_default(args[n - 1], positional[n - 1]):
         n -= 1
@@ -260,7 +248,7 @@ def _gather(a: Any, leaves: list[Any]) -> None:
         leaves.append(a)
 
 
-def record(fn: Callable[..., Any], examples: Sequence[torch.Tensor], fake_mode: Any) -> torch.fx.GraphModule:
+def record_graph(fn: Callable[..., Any], examples: Sequence[torch.Tensor], fake_mode: Any) -> torch.fx.GraphModule:
     """The graph of `fn(*examples)` (fake tensors of `fake_mode`, concrete sizes), as
     make_fx would trace it; inside, `traced_node` gives the node of a tensor the trace
     made. Raises Unrecordable where make_fx must trace it."""

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._core.errors import RematStateWarning, RematTraceError
 from .._core.nodes import (
+    AS_STRIDED_OPS,
     AUTOCAST_CAST_KEY,
     BACKWARD_KEY,
     DIFFERENTIABLE_KEY,
@@ -43,6 +44,7 @@ from .._core.nodes import (
     is_random,
     is_view,
     producer,
+    source_line,
 )
 from .._core.torch_internals import (
     any_autocast_enabled,
@@ -50,10 +52,10 @@ from .._core.torch_internals import (
     autocast_nesting,
     autocast_off,
     autograd_engine_running,
+    fake_of_layout,
     grad_disabled_by_code,
     new_fake_mode,
     preserve_node_meta,
-    storage_extent,
     symbolic_stand_in,
     trace_on_fakes,
     tracing_isolated,
@@ -77,7 +79,7 @@ from .passes import (
 )
 from .randomness import RNG_KEY, DrawTracker
 from .reachable import Snapshot, roots_of, stand_in_path
-from .recording import active_recorder, record, traced_node
+from .recording import active_recorder, record_graph, traced_node
 from .records import Captured, Scope
 
 # While a function is being traced: the regions met so far and the index of the innermost
@@ -316,18 +318,7 @@ def _fake_like(mode: Any, t: torch.Tensor) -> torch.Tensor:
     except RuntimeError:  # no strides (sparse): a plain dense stand-in
         with mode:
             return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
-    return fake_with_layout(mode, tuple(t.shape), stride, offset, t.dtype, t.device)
-
-
-def fake_with_layout(
-    mode: Any, shape: tuple[Any, ...], stride: tuple[Any, ...], offset: Any, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A fake tensor of this shape, strides and storage offset."""
-    with mode:
-        if offset == 0:
-            return torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        base = torch.empty(offset + storage_extent(shape, stride), dtype=dtype, device=device)
-        return base.as_strided(shape, stride, offset)
+    return fake_of_layout(mode, tuple(t.shape), stride, offset, t.dtype, t.device)
 
 
 def _fake_contiguous(mode: Any, t: torch.Tensor) -> torch.Tensor:
@@ -428,14 +419,13 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     return captured
 
 
-_AS_STRIDED = {torch.ops.aten.as_strided, torch.ops.aten.as_strided_copy, torch.ops.aten.as_strided_scatter}
 
 
 def _reads_storage_offsets(gm: torch.fx.GraphModule) -> bool:
     """Whether an `as_strided` reads a graph input (directly or through views): its result
     then depends on where the input starts in its storage, not only on its shape."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in _AS_STRIDED:
+        if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in AS_STRIDED_OPS:
             source = node.args[0]
             while isinstance(source, torch.fx.Node) and source.op == "call_function" and is_view(source):
                 source = producer(source).args[0]
@@ -522,7 +512,7 @@ def _number_random_ops(gm: torch.fx.GraphModule) -> None:
 def _reject_data_dependent_ops(gm: torch.fx.GraphModule, fn_name: str) -> None:
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target is torch.ops.aten._local_scalar_dense.default:
-            where = node.meta.get("custom", {}).get(SOURCE_KEY, "an unknown line")
+            where = source_line(node) or "an unknown line"
             raise RematTraceError(
                 f"remat could not trace `{fn_name}`: it reads a tensor's value as a Python number "
                 f"(`.item()`, `float(t)`, `int(t)`) at {where}. A remat'd function is traced once "
@@ -575,7 +565,7 @@ def _grad_free_writes_as_values_with_grad(gm: torch.fx.GraphModule, fn_name: str
             continue
         if is_view(written) or any(is_view(u) for a in aliases for u in a.users):
             raise RematTraceError(
-                f"remat could not trace `{fn_name}`: at {custom.get(SOURCE_KEY, 'an unknown line')} it changes "
+                f"remat could not trace `{fn_name}`: at {source_line(node) or 'an unknown line'} it changes "
                 f"a tensor autograd tracks in place with grad disabled ({node.target}), and a view shares that "
                 "tensor's memory. Eager autograd differentiates the changed tensor and its views as if nothing "
                 "had changed, which a traced graph cannot express through views. Make the change out of place "
@@ -693,7 +683,7 @@ def differentiate(
             traced = _recorded_or_traced(joint, examples, mode, restart=blame.clear)
         except Exception as error:  # a derivative that cannot run without data
             node = blame[-1] if blame else None
-            source = node.meta.get("custom", {}).get(SOURCE_KEY) if node is not None else None
+            source = source_line(node) if node is not None else None
             failure = backward_failure(
                 captured.scopes[0].region if captured.scopes else "the region", error, node.target if node is not None else None, source
             )
@@ -713,7 +703,7 @@ def _recorded_or_traced(
     where the recorder leaves it (symbolic sizes, custom ops...) or fails, after `restart`
     undoes what the first run noted: errors are make_fx's own."""
     try:
-        return record(fn, examples, mode)
+        return record_graph(fn, examples, mode)
     except Exception:
         restart()
     return trace_on_fakes(fn)(*examples)
