@@ -25,12 +25,8 @@ from remat.policies import (
 
 from .._core.nodes import SCOPE_KEY, ancestors, is_random, is_tuple, is_view, node_name, producer, source_line
 from .._core.torch_internals import graph_module
-from .._trace.passes import (
-    drop_saved_value_detaches,
-    index_fill_as_where,
-    read_mutated_inputs_from_copies,
-    shape_only_factories,
-)
+from .._trace.passes import read_mutated_inputs_from_copies
+from .._trace.pipelines import joint_passes
 from .._trace.randomness import (
     RNG_KEY,
     Source,
@@ -100,79 +96,98 @@ def _computed_from(roots: Iterable[Any], inputs: set[torch.fx.Node]) -> set[torc
     return ancestors(roots, inputs) - inputs
 
 
-def partition(
-    joint: torch.fx.GraphModule,
-    n_inputs: int,
-    n_outputs: int,
-    decide: Decide,
-    exact: bool = False,
-    debug: bool = False,
-    mutated: Sequence[int] = (),
-    budget: Budget | None = None,
-    offload: bool = True,
-    rng_end: dict[str, Source] | None = None,
-) -> Partition:
-    """Split `joint` (inputs, tangents -> outputs, gradients) into forward and backward.
+@dataclass
+class _Joint:
+    """The joint graph told apart: its inputs and tangents, the forward's outputs and the
+    gradients, and the op nodes each side computes (a node both need is a forward node)."""
 
-    With `exact`, `decide` names the very nodes to keep (views included) and nothing
-    else is kept: used to rebuild a backward for a forward that has already run. With
-    `debug`, backward checks every recomputed value against the forward's. Inputs in
-    `mutated` are updated after the forward, so backward may only read copies of them.
-    With a `budget`, what its region keeps is chosen to fit it (see budget.py). Values
-    a policy answers `Offload` for wait in host memory (see offloading.py) when `offload`.
-    `rng_end`: where the function left each generator's stream (see _trace/randomness.py).
-    """
-    graph = joint.graph
+    graph: torch.fx.Graph
+    inputs: list[torch.fx.Node]
+    tangents: list[torch.fx.Node]
+    outs: list[Any]
+    grads: list[Any]
+    forward: set[torch.fx.Node]
+    backward: set[torch.fx.Node]
+
+    @property
+    def input_set(self) -> set[torch.fx.Node]:
+        return set(self.inputs)
+
+
+def _classify(graph: torch.fx.Graph, n_inputs: int, n_outputs: int, forward: set[torch.fx.Node] | None = None) -> _Joint:
+    """Which op nodes compute the outputs, and which only the gradients (given `forward`,
+    only the latter are found again: after the joint passes)."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    inputs, tangents = placeholders[:n_inputs], placeholders[n_inputs:]
-    must_keep = read_mutated_inputs_from_copies(graph, [inputs[i] for i in mutated])
     output = next(n for n in graph.nodes if n.op == "output")
     outs, grads = list(output.args[0][:n_outputs]), list(output.args[0][n_outputs:])
-    input_set = set(inputs)
+    if forward is None:
+        forward = _computed_from(outs, set(placeholders))
+        # every output of a multi-output forward op is computed in forward, even one only backward reads
+        forward |= {u for n in forward if is_tuple(n) for u in n.users}
+    backward = _computed_from(grads, set(placeholders)) - forward
+    return _Joint(graph, placeholders[:n_inputs], placeholders[n_inputs:], outs, grads, forward, backward)
 
-    forward_nodes = _computed_from(outs, set(placeholders))
-    # every output of a multi-output forward op is computed in forward, even one only backward reads
-    forward_nodes |= {u for n in forward_nodes if is_tuple(n) for u in n.users}
-    backward_nodes = _computed_from(grads, set(placeholders)) - forward_nodes
-    shape_only_factories(graph, [n for n in graph.nodes if n in backward_nodes])
-    shape_only_factories(graph, [n for n in graph.nodes if n in forward_nodes], readers=backward_nodes)
-    drop_saved_value_detaches(graph, [n for n in graph.nodes if n in backward_nodes])
-    index_fill_as_where(graph, [n for n in graph.nodes if n in backward_nodes])
-    backward_nodes = _computed_from(grads := list(output.args[0][n_outputs:]), set(placeholders)) - forward_nodes
-    if _computed_from(outs, set(inputs)) & set(tangents):
-        raise AssertionError("remat: a forward output depends on a tangent; please report this bug")
 
+@dataclass
+class _Kept:
+    """What the forward keeps and the backward recomputes, and how the forward graph hands
+    it over: residuals (by output position), random ops backward replays, debug values."""
+
+    saved: list[torch.fx.Node]  # inputs backward reads, in graph order
+    residuals: list[torch.fx.Node]  # kept intermediates, in graph order
+    recompute: set[torch.fx.Node]
+    replayed: list[torch.fx.Node]  # recomputed random ops, whose generator state is kept
+    keep_forward: set[torch.fx.Node]  # what the forward graph runs
+    checked: list[torch.fx.Node]  # debug mode: recomputed values backward compares with the forward's
+    out_positions: dict[torch.fx.Node, int]  # a residual that is also an output: its first position
+    extra: list[torch.fx.Node]  # residuals that are not outputs, in graph order
+    offloads: dict[torch.fx.Node, Any]  # residuals held in host memory, with the policy's answer
+
+    def residual_outputs(self, n_outputs: int) -> list[int]:
+        """Where each kept value (residuals, rng states, debug values) sits among forward's outputs."""
+        positions = [self.out_positions[r] if r in self.out_positions else n_outputs + self.extra.index(r) for r in self.residuals]
+        return positions + [n_outputs + len(self.extra) + k for k in range(len(self.replayed) + len(self.checked))]
+
+
+def _needed_by_backward(joint: _Joint) -> list[torch.fx.Node]:
+    """The forward values and inputs backward reads, in graph order (repeats included)."""
     needed: list[torch.fx.Node] = []
-    for node in graph.nodes:
-        if node in backward_nodes:
-            needed.extend(i for i in node.all_input_nodes if i in forward_nodes or i in input_set)
-    needed.extend(g for g in grads if isinstance(g, torch.fx.Node) and (g in forward_nodes or g in input_set))
+    for node in joint.graph.nodes:
+        if node in joint.backward:
+            needed.extend(i for i in node.all_input_nodes if i in joint.forward or i in joint.input_set)
+    needed.extend(g for g in joint.grads if isinstance(g, torch.fx.Node) and (g in joint.forward or g in joint.input_set))
+    return needed
 
+
+def _choose_kept(
+    joint: _Joint,
+    decide: Decide,
+    exact: bool,
+    debug: bool,
+    budget: Budget | None,
+    offload: bool,
+    must_keep: set[torch.fx.Node],
+) -> _Kept:
+    """Ask the policy (or fit the budget) and walk back from what backward needs."""
+    graph, input_set = joint.graph, joint.input_set
+    needed = _needed_by_backward(joint)
     if exact:
-        allowed = {n for n in forward_nodes if decide(n)}
+        allowed = {n for n in joint.forward if decide(n)}
     elif budget is not None:
-        allowed = _within_budget(graph, forward_nodes, needed, input_set, decide, budget, must_keep)
+        allowed = _within_budget(graph, joint.forward, needed, input_set, decide, budget, must_keep)
     else:
-        allowed = _allowed(graph, forward_nodes, decide) | must_keep
+        allowed = _allowed(graph, joint.forward, decide) | must_keep
     saved_inputs, residuals, recompute = _walk(needed, allowed, input_set, exact)
 
     order = {n: i for i, n in enumerate(graph.nodes)}
-    saved_list = sorted(saved_inputs, key=order.__getitem__)
     residual_list = sorted(residuals, key=order.__getitem__)
-
-    replayed = [
-        n for n in graph.nodes
-        if n in recompute and n.op == "call_function" and n.target is not operator.getitem and is_random(n)
-    ]
+    random_ops = [n for n in graph.nodes if n.op == "call_function" and n.target is not operator.getitem and is_random(n)]
+    replayed = [n for n in random_ops if n in recompute]
     # A random op runs in forward even when nothing reads its result: plain eager code
     # draws its numbers too, and the global random stream must end where it would.
-    unread_random = [
-        n for n in graph.nodes
-        if n.op == "call_function" and n.target is not operator.getitem and is_random(n)
-        and n not in forward_nodes and n not in backward_nodes
-    ]
-    keep_forward = _computed_from(list(outs) + residual_list + unread_random, set(placeholders))
-    out_positions = {node: i for i, node in reversed(list(enumerate(outs))) if isinstance(node, torch.fx.Node)}
+    unread_random = [n for n in random_ops if n not in joint.forward and n not in joint.backward]
+    keep_forward = _computed_from(list(joint.outs) + residual_list + unread_random, set(joint.inputs) | set(joint.tangents))
+    out_positions = {node: i for i, node in reversed(list(enumerate(joint.outs))) if isinstance(node, torch.fx.Node)}
     checked = [  # an output is not returned twice (that would make autograd drop its gradient)
         n for n in graph.nodes
         if debug and n in recompute and n in keep_forward and n.op == "call_function" and not is_tuple(n)
@@ -184,77 +199,124 @@ def partition(
         r: answer for r in extra
         if not (budget is not None and budget.governs(r)) and (answer := offload_of(decide, r, producer(r))) is not None
     }
+    return _Kept(
+        sorted(saved_inputs, key=order.__getitem__), residual_list, recompute, replayed, keep_forward, checked,
+        out_positions, extra, offloads,
+    )
 
-    def build_forward(lowered: bool) -> torch.fx.Graph:
-        """Lowered: also replay the function's own reseeding, snapshot rng states for
-        replays and, in debug mode, output the values backward will recompute, so it can
-        compare."""
-        forward_graph = torch.fx.Graph()
-        env: dict[torch.fx.Node, torch.fx.Node] = {}
-        states: list[torch.fx.Node] = []
-        for node in inputs:
-            env[node] = forward_graph.node_copy(node)
-        streams = _Streams(joint, forward_graph, [n for n in graph.nodes if n in keep_forward], rng_end) if lowered else None
-        for node in graph.nodes:
-            if node in keep_forward:
-                if streams is not None:
-                    streams.before(node)
-                if lowered and node in replayed:
-                    states.append(_capture_state(forward_graph, node, env))
-                env[node] = forward_graph.node_copy(node, env.__getitem__)
-                if streams is not None:
-                    streams.after(node)
+
+def _build_forward(
+    joint_gm: torch.fx.GraphModule, joint: _Joint, kept: _Kept, rng_end: dict[str, Source] | None, lowered: bool
+) -> torch.fx.Graph:
+    """inputs -> outputs, the residuals that are not outputs. Lowered: also replay the
+    function's own reseeding, snapshot rng states for replays, offload what is offloaded
+    and, in debug mode, output the values backward will recompute, so it can compare."""
+    graph, outs, input_set = joint.graph, joint.outs, joint.input_set
+    forward_graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    states: list[torch.fx.Node] = []
+    for node in joint.inputs:
+        env[node] = forward_graph.node_copy(node)
+    runs = [n for n in graph.nodes if n in kept.keep_forward]
+    streams = _Streams(joint_gm, forward_graph, runs, rng_end) if lowered else None
+    for node in runs:
         if streams is not None:
-            streams.at_end()
-        forward_outputs = [
-            _distinct_output(forward_graph, env[o], o in input_set or outs.index(o) < i) for i, o in enumerate(outs)
-        ]
-        tail = states + [env[n] for n in checked] if lowered else []
-        kept = [_offloaded(forward_graph, r, env[r], offloads[r].dst) if lowered and r in offloads else env[r] for r in extra]
-        forward_graph.output(forward_outputs + kept + tail)
-        return forward_graph
+            streams.before(node)
+        if lowered and node in kept.replayed:
+            states.append(_capture_state(forward_graph, node, env))
+        env[node] = forward_graph.node_copy(node, env.__getitem__)
+        if streams is not None:
+            streams.after(node)
+    if streams is not None:
+        streams.at_end()
+    forward_outputs = [
+        _distinct_output(forward_graph, env[o], o in input_set or outs.index(o) < i) for i, o in enumerate(outs)
+    ]
+    tail = states + [env[n] for n in kept.checked] if lowered else []
+    residuals = [
+        _offloaded(forward_graph, r, env[r], kept.offloads[r].dst) if lowered and r in kept.offloads else env[r]
+        for r in kept.extra
+    ]
+    forward_graph.output(forward_outputs + residuals + tail)
+    return forward_graph
 
-    residual_outputs = [out_positions[r] if r in out_positions else n_outputs + extra.index(r) for r in residual_list]
-    residual_outputs += [n_outputs + len(extra) + k for k in range(len(replayed) + len(checked))]
 
+def _build_backward(joint: _Joint, kept: _Kept) -> torch.fx.Graph:
+    """kept inputs, residuals, rng states, debug values, tangents -> gradients: what is not
+    kept is recomputed, random ops replay their state, offloaded values come back first."""
     backward_graph = torch.fx.Graph()
     benv: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in saved_list + residual_list:
+    for node in kept.saved + kept.residuals:
         benv[node] = backward_graph.placeholder(node.name)
         benv[node].meta = dict(node.meta)
-    state_inputs = {node: backward_graph.placeholder(f"rng_state_{i}") for i, node in enumerate(replayed)}
-    forward_values = {node: backward_graph.placeholder(f"forward_value_{i}") for i, node in enumerate(checked)}
-    for node in tangents:
+    state_inputs = {node: backward_graph.placeholder(f"rng_state_{i}") for i, node in enumerate(kept.replayed)}
+    forward_values = {node: backward_graph.placeholder(f"forward_value_{i}") for i, node in enumerate(kept.checked)}
+    for node in joint.tangents:
         benv[node] = backward_graph.placeholder(node.name)
         benv[node].meta = dict(node.meta)
-    for node in offloads:  # first thing backward does: bring them back, ahead of use
-        benv[node] = _brought_back(backward_graph, node, benv[node], offloads[node].dst)
-    for node in graph.nodes:
+    for node in kept.offloads:  # first thing backward does: bring them back, ahead of use
+        benv[node] = _brought_back(backward_graph, node, benv[node], kept.offloads[node].dst)
+    for node in joint.graph.nodes:
         if node in state_inputs:
             benv[node] = _replay(backward_graph, node, state_inputs[node], benv)
-        elif node in recompute or node in backward_nodes:
+        elif node in kept.recompute or node in joint.backward:
             benv[node] = backward_graph.node_copy(node, benv.__getitem__)
         if node in forward_values:
             benv[node] = _check(backward_graph, node, benv[node], forward_values[node])
-    backward_graph.output([benv[g] if isinstance(g, torch.fx.Node) else g for g in grads])
+    backward_graph.output([benv[g] if isinstance(g, torch.fx.Node) else g for g in joint.grads])
+    return backward_graph
 
+
+def partition(
+    joint_gm: torch.fx.GraphModule,
+    n_inputs: int,
+    n_outputs: int,
+    decide: Decide,
+    exact: bool = False,
+    debug: bool = False,
+    mutated: Sequence[int] = (),
+    budget: Budget | None = None,
+    offload: bool = True,
+    rng_end: dict[str, Source] | None = None,
+) -> Partition:
+    """Split `joint_gm` (inputs, tangents -> outputs, gradients) into forward and backward:
+    classify its nodes, run the joint passes, choose what is kept, build both graphs and
+    describe what is kept and recomputed.
+
+    With `exact`, `decide` names the very nodes to keep (views included) and nothing
+    else is kept: used to rebuild a backward for a forward that has already run. With
+    `debug`, backward checks every recomputed value against the forward's. Inputs in
+    `mutated` are updated after the forward, so backward may only read copies of them.
+    With a `budget`, what its region keeps is chosen to fit it (see budget.py). Values
+    a policy answers `Offload` for wait in host memory (see offloading.py) when `offload`.
+    `rng_end`: where the function left each generator's stream (see _trace/randomness.py).
+    """
+    graph = joint_gm.graph
+    inputs = [n for n in graph.nodes if n.op == "placeholder"][:n_inputs]
+    must_keep = read_mutated_inputs_from_copies(graph, [inputs[i] for i in mutated])
+    joint = _classify(graph, n_inputs, n_outputs)
+    joint_passes(graph, joint.forward, joint.backward)
+    joint = _classify(graph, n_inputs, n_outputs, forward=joint.forward)
+    if _computed_from(joint.outs, joint.input_set) & set(joint.tangents):
+        raise AssertionError("remat: a forward output depends on a tangent; please report this bug")
+    kept = _choose_kept(joint, decide, exact, debug, budget, offload, must_keep)
     return Partition(
-        forward=_module(joint, build_forward(lowered=True)),
-        forward_pure=_module(joint, build_forward(lowered=False)),
-        backward=_module(joint, backward_graph),
-        saved_inputs=[inputs.index(n) for n in saved_list],
-        residual_outputs=residual_outputs,
-        kept=[replace(_kept_value(r), kind="offloaded") if r in offloads else _kept_value(r) for r in residual_list]
-        + [_describe_state(n) for n in replayed]
-        + [replace(_kept_value(n), kind="debug") for n in checked],
+        forward=_module(joint_gm, _build_forward(joint_gm, joint, kept, rng_end, lowered=True)),
+        forward_pure=_module(joint_gm, _build_forward(joint_gm, joint, kept, rng_end, lowered=False)),
+        backward=_module(joint_gm, _build_backward(joint, kept)),
+        saved_inputs=[inputs.index(n) for n in kept.saved],
+        residual_outputs=kept.residual_outputs(n_outputs),
+        kept=[replace(_kept_value(r), kind="offloaded") if r in kept.offloads else _kept_value(r) for r in kept.residuals]
+        + [_describe_state(n) for n in kept.replayed]
+        + [replace(_kept_value(n), kind="debug") for n in kept.checked],
         recomputed=[
             _describe_recompute(n)
             for n in graph.nodes
-            if n in recompute and n.op == "call_function" and n.target is not operator.getitem and not is_view(n)
+            if n in kept.recompute and n.op == "call_function" and n.target is not operator.getitem and not is_view(n)
         ],
-        replayed=[n.meta.get("custom", {}).get(RNG_KEY, -1) for n in replayed],
-        checked=len(checked),
-        offloaded=len(offloads),
+        replayed=[n.meta.get("custom", {}).get(RNG_KEY, -1) for n in kept.replayed],
+        checked=len(kept.checked),
+        offloaded=len(kept.offloads),
     )
 
 

@@ -65,18 +65,13 @@ from .._core.torch_internals import (
 from .arguments import Call, needs_grad
 from .failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_line
 from .hooks import HookCall, HookRecorder
-from .mutations import functionalize_remaining_mutations, outputs_for_mutations
+from .mutations import outputs_for_mutations
 from .passes import (
-    autocast_casts_of_leaves_cached,
-    grad_free_values_as_constants,
     grad_free_write_as_value_with_grad,
-    inner_backwards_as_eager,
-    random_fills_in_memory_order,
-    random_from_as_random_to,
-    rrelu_as_product,
     writes_in_place,
     writes_out_of_place,
 )
+from .pipelines import stage_one_passes
 from .randomness import RNG_KEY, DrawTracker
 from .reachable import Snapshot, roots_of, stand_in_path
 from .recording import active_recorder, record_graph, traced_node
@@ -403,14 +398,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     )
     _keep_used_captured(captured, call, slotted)
     _lift_constants(captured, call, fn_name, under_transform)
-    random_fills_in_memory_order(gm)
-    autocast_casts_of_leaves_cached(gm, [needs_grad(t) and t.is_leaf for t in originals])
-    grad_free_values_as_constants(gm)
-    inner_backwards_as_eager(gm)
-    gm = captured.graph = functionalized(gm)
-    functionalize_remaining_mutations(gm, fn_name)
-    rrelu_as_product(gm)
-    random_from_as_random_to(gm)
+    gm = captured.graph = stage_one_passes(gm, [needs_grad(t) and t.is_leaf for t in originals], functionalized, fn_name)
     outputs_for_mutations(captured, fn_name)
     captured.input_values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     captured.fills_like = any(n.meta.get("custom", {}).get(FILL_LIKE_KEY) for n in gm.graph.nodes)
