@@ -110,6 +110,50 @@ def measure_tiny(rounds: int, calls: int) -> dict[str, dict[str, float]]:
     return results
 
 
+def _sequential() -> torch.nn.Sequential:
+    """13 modules: seven small Linears with tanh between them."""
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for i in range(7):
+        layers += [torch.nn.Linear(8, 8)] + ([torch.nn.Tanh()] if i < 6 else [])
+    return torch.nn.Sequential(*layers)
+
+
+def _sequential_as_function(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    """The same computation as `_sequential()`, its parameters passed in."""
+    for i in range(7):
+        x = torch.nn.functional.linear(x, weights[2 * i], weights[2 * i + 1])
+        if i < 6:
+            x = torch.tanh(x)
+    return x
+
+
+def measure_module(rounds: int, calls: int) -> dict[str, dict[str, float]]:
+    """A module region against a function region over the same computation: what remat
+    adds for reading a module (its parameters, buffers, settings and hooks) on each call."""
+    model = _sequential()
+    x = torch.randn(2, 8, requires_grad=True)
+    weights = list(model.parameters())
+    module_region = remat.remat(model, policy=None)
+    function_region = remat.remat(_sequential_as_function, policy=None)
+    steps = {
+        "plain": lambda: model(x).sum().backward(),
+        "remat(module)": lambda: module_region(x).sum().backward(),
+        "remat(function)": lambda: function_region(x, *weights).sum().backward(),
+        "checkpoint": lambda: checkpoint(model, x, use_reentrant=False).sum().backward(),
+    }
+    for step in steps.values():
+        for _ in range(20):
+            step()
+    results = measure(steps, rounds, calls)
+    for name in ("remat(module)", "remat(function)"):
+        results[f"overhead ({name})"] = {k: results[name][k] - results["plain"][k] for k in ("min_us", "median_us")}
+    results["module - function"] = {
+        k: results["remat(module)"][k] - results["remat(function)"][k] for k in ("min_us", "median_us")
+    }
+    return results
+
+
 LAYER = {"seq": 16, "hidden": 64, "heads": 4, "batch": 1}
 
 
@@ -158,6 +202,8 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--profile", action="store_true", help="cProfile 2,000 calls of remat (policy None)")
     parser.add_argument("--layer", action="store_true", help=f"also a transformers LlamaDecoderLayer {LAYER}")
+    parser.add_argument("--module", action="store_true", help="also a 13-module nn.Sequential, as a module and as a function")
+    parser.add_argument("--profile-module", action="store_true", help="cProfile 2,000 calls of the module region")
     parser.add_argument("--json", metavar="PATH")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -165,6 +211,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.rounds} rounds x {args.calls} calls, "
           f"load average {os.getloadavg()[0]:.2f}")
     print(f"{'variant':<34} {'min µs':>8} {'median µs':>10}")
+    if args.module:
+        results.update({f"module: {name}": r for name, r in measure_module(args.rounds, args.calls).items()})
     if args.layer:
         results.update({f"layer: {name}": r for name, r in measure_layer(args.rounds, max(args.calls // 10, 1)).items()})
     for name, r in results.items():
@@ -172,6 +220,10 @@ def main() -> None:
     if args.profile:
         x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
         print(profile(variants(x, w)["remat None"], 2000, top=15))
+    if args.profile_module:
+        model, x = _sequential(), torch.randn(2, 8, requires_grad=True)
+        region = remat.remat(model, policy=None)
+        print(profile(lambda: region(x).sum().backward(), 2000, top=25))
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"torch": torch.__version__, "threads": args.threads, "rounds": args.rounds,

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -116,9 +117,58 @@ def _traces_against_make_fx() -> Iterator[None]:
         yield
 
 
+# The oracle sweeps: long runs against oracles remat's authors did not write, each under its
+# marker. `python -m pytest` runs the default set (every promise at least once, in a few
+# minutes); `-m sweep` runs every sweep, `-m models` (or another marker) one of them, and
+# `--sweeps` runs everything.
+SWEEPS: dict[str, str] = {
+    "opinfo": "torch's OpInfo database under every transform (tests/test_opinfo.py)",
+    "differential": "random programs against no remat (tests/test_differential.py)",
+    "models": "real models from transformers, torchvision and torch against no remat",
+    "compile": "regions under torch.compile (tests/test_compile.py)",
+    "product": "the full policy x function x transform product (tests/test_transforms.py; the default run takes a pairwise cover)",
+    "properties": "the property test at its full example count (tests/test_properties.py)",
+    "examples": "the examples and the benchmark scripts run (tests/test_examples.py, tests/test_bench.py)",
+}
+
+# One case of a sweep that the default run keeps, so that it covers that sweep's promise.
+REPRESENTATIVES = frozenset({
+    "tests/test_models.py::test_backward_matches_no_remat[gpt2-eager-dots]",
+    "tests/test_models.py::test_backward_matches_no_remat[vit-nothing]",
+    "tests/test_models.py::test_resnet_block_functional_call_with_buffers_matches_no_remat[dots]",
+    "tests/test_models.py::test_mixtral_style_moe_with_data_dependent_routing_is_refused_naming_the_op",
+    "tests/test_models.py::test_default_kv_cache_is_refused_naming_the_cache_and_the_fix[llama]",
+    "tests/test_compile.py::test_compiled_values_gradients_and_random_stream_equal_no_remat[nothing]",
+    "tests/test_compile.py::test_memory_budget_under_fullgraph_is_refused_naming_policy_and_fix",
+    "tests/test_examples.py::test_quickstart_memory_goes_down_and_losses_agree",
+})
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--sweeps", action="store_true", help="run the oracle sweeps too (everything)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "opinfo: the sweep over torch's OpInfo database (tests/test_opinfo.py)")
-    config.addinivalue_line("markers", "differential: random programs against no remat (tests/test_differential.py)")
+    # Inductor's cache in a directory of this session's own: a run beside another (or a
+    # stale cache of another torch) cannot race on or poison the shared default one.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="remat-tests-inductor-"))
+    for name, what in SWEEPS.items():
+        config.addinivalue_line("markers", f"{name}: an oracle sweep: {what}")
+    config.addinivalue_line("markers", "sweep: any oracle sweep (added to every test under one of the sweeps' markers)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test under a sweep's marker is marked `sweep` too (a representative stays
+    out of it); without `-m` or `--sweeps`, the sweeps are left out."""
+    for item in items:
+        if item.nodeid not in REPRESENTATIVES and any(item.get_closest_marker(name) for name in SWEEPS):
+            item.add_marker(pytest.mark.sweep)
+    if config.getoption("markexpr") or config.getoption("--sweeps"):
+        return
+    kept = [item for item in items if not item.get_closest_marker("sweep")]
+    if len(kept) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("sweep")])
+        items[:] = kept
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.examples  # runs the benchmark scripts
+
 ROOT = Path(__file__).resolve().parent.parent
 VARIANTS = {
     "none",

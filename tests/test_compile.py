@@ -22,7 +22,7 @@ from remat import policies as P
 
 from conftest import BUILT_IN_POLICIES, assert_close
 
-pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning", "ignore::UserWarning")
+pytestmark = [pytest.mark.compile, pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning", "ignore::UserWarning")]
 
 # Every built-in policy that answers op by op (memory_budget chooses per region: refused
 # under compile, tested below), plus a names policy.

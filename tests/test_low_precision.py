@@ -216,6 +216,7 @@ def test_a_weight_two_linears_share_under_autocast_is_bitwise(cache: bool | None
         _bitwise(run(remat.remat(body, policy=policy)), run(body))
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe"])
 def test_transformers_models_with_bf16_parameters_are_bitwise(name: str) -> None:
     """Loss and every gradient of a bf16 model through checkpoint_layers (dropout on)."""
@@ -235,6 +236,7 @@ def test_transformers_models_with_bf16_parameters_are_bitwise(name: str) -> None
         _bitwise(step(model), step(reference))
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe", "vit"])
 def test_float32_models_under_bf16_autocast_are_bitwise(name: str) -> None:
     """Loss and every gradient of a float32 model trained under CPU bf16 autocast, layers

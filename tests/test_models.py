@@ -33,7 +33,10 @@ from remat import policies as P
 
 from conftest import BUILT_IN_POLICIES, assert_close
 
-pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")  # e.g. dots_and_attention on a conv block
+pytestmark = [
+    pytest.mark.models,
+    pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning"),  # e.g. dots_and_attention on a conv block
+]
 
 MODEL_POLICIES = BUILT_IN_POLICIES
 CASES = {case.name: case for case in Z.HF_CASES + Z.OWN_CASES}

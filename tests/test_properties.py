@@ -63,9 +63,7 @@ def build(program: list[tuple[str, int, int]]) -> Callable[[torch.Tensor, dict[s
     return fn
 
 
-@settings(max_examples=int(os.environ.get("REMAT_PROPERTY_EXAMPLES", "30")), deadline=None)
-@given(program=steps, seed=st.integers(0, 2**16))
-def test_random_functions_match_no_remat_under_every_policy(program: list[tuple[str, int, int]], seed: int) -> None:
+def random_functions_match_no_remat(program: list[tuple[str, int, int]], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 3, 4, dtype=D, generator=gen, requires_grad=True)
     p = {
@@ -88,3 +86,13 @@ def test_random_functions_match_no_remat_under_every_policy(program: list[tuple[
         assert_close(run(f), expected)
         torch.manual_seed(seed)
         assert_close(torch.func.grad(lambda p: (f(x, p) * cot).sum())(p), dict(zip(p, expected[1][1:])))
+
+
+def _with_examples(n: int) -> Callable[[], None]:
+    return settings(max_examples=n, deadline=None)(given(program=steps, seed=st.integers(0, 2**16))(random_functions_match_no_remat))
+
+
+test_random_functions_match_no_remat_under_every_policy = _with_examples(3)
+test_many_random_functions_match_no_remat = pytest.mark.properties(
+    _with_examples(int(os.environ.get("REMAT_PROPERTY_EXAMPLES", "30")))
+)

@@ -64,6 +64,7 @@ def _model_step(case: Z.Case) -> None:
     case.loss(model(**case.model_kwargs(batch)), batch).backward()
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("case", Z.HF_CASES + Z.OWN_CASES, ids=lambda c: c.name)
 def test_recorded_joint_is_make_fx_joint_for_models(case: Z.Case) -> None:
     """Llama, GPT-2, BERT (sdpa and eager, dropout on) and our own models: every layer's
@@ -138,7 +139,7 @@ def test_an_error_in_a_recorded_joint_is_make_fx_s_error() -> None:
     for use_recorder in (True, False):
         with pytest.MonkeyPatch.context() as mp:
             if not use_recorder:
-                mp.setattr(remat._trace.tracing, "record", refuse_recording)
+                mp.setattr(remat._trace.tracing, "record_graph", refuse_recording)
             with pytest.raises(RematError, match=r"derivative of `aten.scatter_reduce`.*runs `aten._local_scalar_dense`") as error:
                 torch.func.grad(remat.remat(f))(x, index)
             messages.append(str(error.value))

@@ -52,6 +52,7 @@ def _step(f: Callable[..., torch.Tensor], *args: torch.Tensor) -> tuple[Any, ...
     return out, grads, torch.rand(3)  # the random stream after forward and backward
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("family", ["llama-sdpa", "llama-eager", "gpt2-eager", "bert-sdpa"])
 @pytest.mark.parametrize("policy", [P.nothing_saveable, P.dots_saveable], ids=["nothing", "dots"])
 def test_a_transformers_model_at_many_lengths_matches_no_remat(family: str, policy: Any) -> None:

@@ -53,6 +53,7 @@ def _leaf(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, dtype=D, generator=torch.Generator().manual_seed(seed)).requires_grad_()
 
 
+@pytest.mark.models
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_the_layers_of_a_transformers_llama_share_one_plan(joint_traces: list[str], attn: str) -> None:
     torch.manual_seed(0)

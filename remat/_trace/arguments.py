@@ -12,6 +12,7 @@ import contextlib
 import dis
 import functools
 import inspect
+import itertools
 import operator
 import types
 import warnings
@@ -287,10 +288,17 @@ class CaptureMemo:
     modules, partials, methods, the user's functions), the same walk would find the same
     things: a call reads those objects and compares identities instead of walking."""
 
-    __slots__ = ("last",)
+    __slots__ = ("last", "last_module")
 
     def __init__(self) -> None:
         self.last: tuple[tuple[Any, ...], Collected] | None = None  # one attribute: swapped atomically
+        self.last_module: tuple[ModuleSnapshot, Collected] | None = None  # for a module: the same, by ModuleSnapshot
+
+    def lookup_module(self, module: torch.nn.Module) -> Collected | None:
+        last = self.last_module
+        if last is not None and last[0].module is module and last[0].unchanged():
+            return last[1]
+        return None
 
     def lookup(self, roots: tuple[Any, ...]) -> Collected | None:
         last = self.last
@@ -325,21 +333,80 @@ def _walked_into(value: Any) -> bool:
     return isinstance(value, (torch.nn.Module, list, dict, tuple, functools.partial, types.MethodType))
 
 
+class ModuleSnapshot:
+    """What a walk of a module reads, kept to tell cheaply whether a new walk would find the
+    same: its submodules (in `modules()` order), their types and `__dict__`s, those dicts'
+    keys and public values (settings, compared by value, as the cache key compares them),
+    and the keys and objects of their parameter, buffer and submodule tables (compared by
+    identity: a stand-in a trace puts in a table, or a replaced parameter, differs). Each
+    comparison runs over every submodule at once, in C."""
+
+    __slots__ = ("module", "subs", "types", "dicts", "keys", "readers", "values", "tables", "table_keys", "objects")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.subs = list(module.modules())
+        self.types = list(map(type, self.subs))
+        self.dicts = list(map(vars, self.subs))
+        self.keys = list(map(tuple, self.dicts))
+        self.readers = [_reader(tuple(k for k in d if k[0] != "_")) for d in self.dicts]
+        self.values = list(map(operator.call, self.readers, self.dicts))
+        self.tables = list(itertools.chain.from_iterable(map(_TABLES, self.dicts)))
+        self.table_keys = list(map(tuple, self.tables))
+        self.objects = list(itertools.chain.from_iterable(map(dict.values, self.tables)))
+
+    def unchanged(self) -> bool:
+        dicts = list(map(vars, self.subs))
+        if list(map(type, self.subs)) != self.types or not all(map(operator.is_, dicts, self.dicts)):
+            return False
+        if list(map(tuple, dicts)) != self.keys:
+            return False
+        try:
+            if list(map(operator.call, self.readers, dicts)) != self.values:
+                return False
+        except Exception:  # a value whose comparison raises (a tensor attribute): walk again
+            return False
+        tables = list(itertools.chain.from_iterable(map(_TABLES, dicts)))
+        if not all(map(operator.is_, tables, self.tables)) or list(map(tuple, tables)) != self.table_keys:
+            return False
+        objects = list(itertools.chain.from_iterable(map(dict.values, tables)))
+        return len(objects) == len(self.objects) and all(map(operator.is_, objects, self.objects))
+
+
+_TABLES = operator.itemgetter("_parameters", "_buffers", "_modules")
+
+
+def _reader(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], Any]:
+    """Reads the values under `keys` from a dict, as a tuple (a single value for one key)."""
+    if not keys:
+        return lambda d: ()
+    return operator.itemgetter(*keys)
+
+
 def _collect_consistently(fn: Callable[..., Any], memo: CaptureMemo | None = None) -> Collected:
     """collect_captured, never in the middle of another thread's trace (which would hand
     out its stand-ins): lock-free unless a substitution started or ended meanwhile. With
     a memo, a plain function whose reachable objects are unchanged is not walked again
-    (a stand-in put in its closure is another object, so it never matches)."""
+    (a stand-in put in its closure is another object, so it never matches), nor a module
+    whose ModuleSnapshot is unchanged."""
     roots = _roots(fn) if memo is not None and type(fn) is types.FunctionType else None
     if roots is not None:
         found = memo.lookup(roots)  # type: ignore[union-attr]
         if found is not None:
             return found
+    snapshot = None
+    if memo is not None and isinstance(fn, torch.nn.Module):
+        found = memo.lookup_module(fn)
+        if found is not None:
+            return found
+        snapshot = ModuleSnapshot(fn)
     before = _SUBSTITUTING[0]
     found = collect_captured(fn)
     if before % 2 == 0 and _SUBSTITUTING[0] == before:
         if roots is not None:
             memo.remember(roots, found)  # type: ignore[union-attr]
+        elif snapshot is not None and snapshot.unchanged():  # the walk read what the snapshot holds
+            memo.last_module = (snapshot, found)  # type: ignore[union-attr]
         return found
     with TRACE_LOCK:
         return collect_captured(fn)

@@ -1,0 +1,128 @@
+"""A module region reads its module afresh on every call: what changes between calls (a
+parameter replaced, a buffer, a setting, a submodule, the training flag, a tensor
+attribute) changes the result as it does without remat. Each case against the same module
+run without remat, values and every gradient (float64). remat skips re-walking a module
+whose state is unchanged, so these are the cases that walk must not miss."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from remat import policies as P
+from remat import remat
+
+from conftest import assert_close
+
+D = torch.float64
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 4, dtype=D), torch.nn.Tanh(), torch.nn.LayerNorm(4, dtype=D), torch.nn.Linear(4, 2, dtype=D)
+    )
+
+
+def _step(model: torch.nn.Module, region: Callable[..., Any], x: torch.Tensor) -> tuple[Any, ...]:
+    """Output and gradients (input and every parameter) of region(x).sum()."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    out = region(x)
+    out.sum().backward()
+    return out.detach(), x.grad, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _replace_weight(m: torch.nn.Sequential) -> None:
+    m[0].weight = torch.nn.Parameter(torch.randn(4, 4, dtype=D))
+
+
+def _set_weight_in_place(m: torch.nn.Sequential) -> None:
+    with torch.no_grad():
+        m[0].weight.mul_(2.0)
+
+
+def _change_eps(m: torch.nn.Sequential) -> None:
+    m[2].eps = 0.5
+
+
+def _replace_submodule(m: torch.nn.Sequential) -> None:
+    m[1] = torch.nn.Sigmoid()
+
+
+def _add_submodule(m: torch.nn.Sequential) -> None:
+    m.append(torch.nn.Tanh())
+
+
+def _rename_parameter(m: torch.nn.Sequential) -> None:
+    """The same tensor under another key of the table: the walk's paths change."""
+    table = m[3]._parameters
+    table["bias"], table["weight"] = table.pop("weight"), table.pop("bias")
+    m[3].forward = lambda x: torch.nn.functional.linear(x, m[3]._parameters["bias"], m[3]._parameters["weight"])
+
+
+def _add_buffer_read_by_forward(m: torch.nn.Sequential) -> None:
+    class Shift(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("shift", torch.full((2,), 0.25, dtype=D))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.shift
+
+    m.append(Shift())
+
+
+def _replace_buffer(m: torch.nn.Sequential) -> None:
+    m[-1].shift = torch.full((2,), -1.0, dtype=D)
+
+
+def _unregistered_tensor_attribute(m: torch.nn.Sequential) -> None:
+    m[2].scale = torch.tensor([3.0], dtype=D)  # a plain attribute: walked past, compared without error
+
+
+def _eval(m: torch.nn.Sequential) -> None:
+    m.eval()
+
+
+CHANGES: dict[str, list[Callable[[torch.nn.Sequential], None]]] = {
+    "replace_weight": [_replace_weight],
+    "weight_in_place": [_set_weight_in_place],
+    "change_eps": [_change_eps],
+    "replace_submodule": [_replace_submodule],
+    "add_submodule": [_add_submodule],
+    "rename_parameter": [_rename_parameter],
+    "add_then_replace_buffer": [_add_buffer_read_by_forward, _replace_buffer],
+    "tensor_attribute": [_unregistered_tensor_attribute],
+    "eval": [_eval],
+}
+
+
+@pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.dots_saveable], ids=["none", "nothing", "dots"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_between_calls_is_seen_as_without_remat(change: str, policy: Any) -> None:
+    model = _model()
+    region = remat(model, policy=policy)
+    x = torch.randn(3, 4, dtype=D)
+    for _ in range(3):  # warm: traced, then runs from the plan
+        assert_close(_step(model, region, x), _step(model, model, x))
+    for apply in CHANGES[change]:
+        apply(model)
+        for _ in range(2):
+            assert_close(_step(model, region, x), _step(model, model, x))
+
+
+def test_dropout_follows_train_and_eval() -> None:
+    """Dropout's training flag, flipped between calls: the random stream and values as without remat."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), torch.nn.Dropout(0.5))
+    region = remat(model, policy=P.nothing_saveable)
+    x = torch.randn(3, 4, dtype=D)
+    for mode in ("train", "eval", "train", "eval"):
+        getattr(model, mode)()
+        torch.manual_seed(1)
+        expected = _step(model, model, x)
+        torch.manual_seed(1)
+        assert_close(_step(model, region, x), expected)
