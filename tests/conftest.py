@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -55,6 +56,29 @@ POLICIES = {
     "both": P.save_from_both_policies(P.dots_with_no_batch_dims_saveable, P.save_only_these_names("scores")),
     "custom": _keep_tanh,
 }
+
+
+def pairwise_cover(a: list[str], b: list[str], c: list[str]) -> set[tuple[str, str, str]]:
+    """Combinations of three axes in which every pair of values of any two axes appears:
+    for each pair of axes, the third axis's value is chosen by the two indices' sum."""
+    cover: set[tuple[str, str, str]] = set()
+    for (i, x), (j, y) in itertools.product(enumerate(a), enumerate(b)):
+        cover.add((x, y, c[(i + j) % len(c)]))
+    for (i, x), (k, z) in itertools.product(enumerate(a), enumerate(c)):
+        cover.add((x, b[(i + k) % len(b)], z))
+    for (j, y), (k, z) in itertools.product(enumerate(b), enumerate(c)):
+        cover.add((a[(j + k) % len(a)], y, z))
+    return cover
+
+
+def pairwise_in_default(a: list[str], b: list[str], c: list[str]) -> list[Any]:
+    """Parameters for the full product of three axes; those outside the pairwise cover are
+    marked `product`, a sweep the default run leaves out."""
+    cover = pairwise_cover(a, b, c)
+    return [
+        pytest.param(x, y, z, id=f"{x}-{y}-{z}", marks=() if (x, y, z) in cover else pytest.mark.product)
+        for x, y, z in itertools.product(a, b, c)
+    ]
 
 
 @pytest.fixture(params=list(POLICIES), ids=list(POLICIES))
@@ -126,7 +150,7 @@ SWEEPS: dict[str, str] = {
     "differential": "random programs against no remat (tests/test_differential.py)",
     "models": "real models from transformers, torchvision and torch against no remat",
     "compile": "regions under torch.compile (tests/test_compile.py)",
-    "product": "the full policy x function x transform product (tests/test_transforms.py; the default run takes a pairwise cover)",
+    "product": "full products of policies, functions and transforms (tests/test_transforms.py, tests/test_memory_contract.py; the default run takes a cover of each)",
     "properties": "the property test at its full example count (tests/test_properties.py)",
     "examples": "the examples and the benchmark scripts run (tests/test_examples.py, tests/test_bench.py)",
 }
@@ -159,11 +183,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test under a sweep's marker is marked `sweep` too (a representative stays
-    out of it); without `-m` or `--sweeps`, the sweeps are left out."""
+    out of it). A run of the whole suite (no paths named) without `-m` or `--sweeps`
+    leaves the sweeps out; a run of named files or tests runs what it names."""
     for item in items:
         if item.nodeid not in REPRESENTATIVES and any(item.get_closest_marker(name) for name in SWEEPS):
             item.add_marker(pytest.mark.sweep)
-    if config.getoption("markexpr") or config.getoption("--sweeps"):
+    named = config.args_source == pytest.Config.ArgsSource.ARGS
+    if named or config.getoption("markexpr") or config.getoption("--sweeps"):
         return
     kept = [item for item in items if not item.get_closest_marker("sweep")]
     if len(kept) < len(items):

@@ -21,7 +21,7 @@ import remat as remat_package
 from remat import RematTraceError, remat
 from remat import policies as P
 
-from conftest import assert_close
+from conftest import assert_close, pairwise_in_default
 from test_transforms import TRANSFORMS
 
 D = torch.float64
@@ -128,9 +128,9 @@ GRAD_MODES = {
 }
 
 
-@pytest.mark.parametrize("transform", CHANNEL_TRANSFORMS)
-@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
-@pytest.mark.parametrize("fn_name", list(GRAD_MODES))
+@pytest.mark.parametrize(
+    ("fn_name", "policy_name", "transform"), pairwise_in_default(list(GRAD_MODES), list(CHANNEL_POLICIES), list(CHANNEL_TRANSFORMS))
+)
 def test_values_computed_with_grad_off_are_constants_of_backward(fn_name: str, policy_name: str, transform: str) -> None:
     _compare(GRAD_MODES[fn_name], policy_name, transform)
 

@@ -11,7 +11,7 @@ from torch.func import functional_call, grad, grad_and_value, hessian, jacfwd, j
 
 from remat import remat
 
-from conftest import POLICIES, assert_close
+from conftest import POLICIES, assert_close, pairwise_in_default
 from zoo import ZOO, example
 
 pytestmark = pytest.mark.filterwarnings("ignore::remat.RematPolicyWarning")  # the shared name policies name values some functions lack
@@ -121,36 +121,7 @@ TRANSFORMS = {
 }
 
 
-def pairwise_cover(*axes: list[str]) -> set[tuple[str, ...]]:
-    """Combinations of three axes in which every pair of values of any two axes appears:
-    for each pair of axes, the third axis's value is chosen by the two indices' sum."""
-    a, b, c = axes
-    cover: set[tuple[str, ...]] = set()
-    for i, x in enumerate(a):
-        for j, y in enumerate(b):
-            cover.add((x, y, c[(i + j) % len(c)]))
-    for i, x in enumerate(a):
-        for k, z in enumerate(c):
-            cover.add((x, b[(i + k) % len(b)], z))
-    for j, y in enumerate(b):
-        for k, z in enumerate(c):
-            cover.add((a[(j + k) % len(a)], y, z))
-    return cover
-
-
-PAIRWISE = pairwise_cover(list(POLICIES), list(ZOO), list(TRANSFORMS))
-
-
-def _product_params() -> list[Any]:
-    """Every policy x function x transform; those outside the pairwise cover are marked
-    `product`, an oracle sweep the default run leaves out."""
-    return [
-        pytest.param(p, f, t, id=f"{p}-{f}-{t}", marks=() if (p, f, t) in PAIRWISE else pytest.mark.product)
-        for p in POLICIES for f in ZOO for t in TRANSFORMS
-    ]
-
-
-@pytest.mark.parametrize(("policy_name", "fn_name", "transform"), _product_params())
+@pytest.mark.parametrize(("policy_name", "fn_name", "transform"), pairwise_in_default(list(POLICIES), list(ZOO), list(TRANSFORMS)))
 def test_matches_no_remat(policy_name: str, fn_name: str, transform: str) -> None:
     fn, x, p = example(fn_name)
     try:

@@ -16,7 +16,7 @@ from remat._core.nodes import NO_DEFAULT, ancestors, schema_defaults, source_lin
 from remat._partition.partitioning import partition
 from remat._trace.arguments import split_call
 
-from conftest import assert_close
+from conftest import assert_close, pairwise_cover
 
 aten = torch.ops.aten
 D = torch.float64
@@ -141,8 +141,6 @@ def test_the_call_key_changes_with_what_a_trace_depends_on_and_only_that() -> No
 
 
 def test_the_pairwise_cover_holds_every_pair_of_any_two_axes() -> None:
-    from test_transforms import pairwise_cover
-
     axes = [list("abcd"), list("xyz"), list("0123456")]
     cover = pairwise_cover(*axes)
     for (i, a), (j, b) in itertools.combinations(enumerate(axes), 2):
