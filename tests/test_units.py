@@ -6,6 +6,7 @@ arguments themselves), and the pairwise cover the default test run takes."""
 from __future__ import annotations
 
 import itertools
+import operator
 from typing import Any
 
 import torch
@@ -89,7 +90,7 @@ def test_source_line_falls_back_to_the_producer_of_a_tuple_item() -> None:
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     op = graph.call_function(aten.var_mean.correction, (x,))
-    item = graph.call_function(__import__("operator").getitem, (op, 0))
+    item = graph.call_function(operator.getitem, (op, 0))
     op.meta["custom"] = {"remat_source": "model.py:7"}
     assert source_line(item) == "model.py:7" and source_line(x) is None
 

@@ -11,7 +11,7 @@ generator state its forward run captured, so recompute draws the same numbers.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -108,10 +108,10 @@ class _Joint:
     grads: list[Any]
     forward: set[torch.fx.Node]
     backward: set[torch.fx.Node]
+    input_set: set[torch.fx.Node] = field(init=False)
 
-    @property
-    def input_set(self) -> set[torch.fx.Node]:
-        return set(self.inputs)
+    def __post_init__(self) -> None:
+        self.input_set = set(self.inputs)
 
 
 def _classify(graph: torch.fx.Graph, n_inputs: int, n_outputs: int, forward: set[torch.fx.Node] | None = None) -> _Joint:
