@@ -47,6 +47,7 @@ import remat  # noqa: E402
 from remat import policies as P  # noqa: E402
 
 SECTION_START, SECTION_END = B.SECTION_START, B.SECTION_END
+replace_section = B.replace_section
 
 COMPILE_SIZE = B.Size(4, 256, 128, 4, "float32", 9, 2, 0, "bench_remat's cpu size")
 LENGTHS_SIZE = B.Size(2, 128, 0, 2, "float32", 0, 0, 0, "variable-length loop")
@@ -247,16 +248,6 @@ def render(result: dict[str, Any]) -> str:
     lines += T.render_table(result["trace"])
     lines += ["", SECTION_END]
     return "\n".join(lines)
-
-
-def replace_section(markdown: Path, section: str) -> None:
-    text = markdown.read_text() if markdown.exists() else ""
-    if SECTION_START in text:
-        before, rest = text.split(SECTION_START, 1)
-        text = before + section + rest.split(SECTION_END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    markdown.write_text(text)
 
 
 def main(argv: list[str] | None = None) -> int:

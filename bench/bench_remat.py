@@ -1023,18 +1023,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-# bench_compile.py writes its own section of RESULTS.md between these markers; rewriting
-# the file keeps it.
+# bench_compile.py and budget_vs_torch.py write their own sections of RESULTS.md between
+# these markers; rewriting the file keeps them.
 SECTION_START = "<!-- bench_compile.py: start -->"
 SECTION_END = "<!-- bench_compile.py: end -->"
+GENERATED_SECTIONS = ((SECTION_START, SECTION_END), ("<!-- budget_vs_torch.py: start -->", "<!-- budget_vs_torch.py: end -->"))
 
 
 def kept_section(markdown: Path) -> str:
-    """The bench_compile.py section of an existing markdown file, or nothing."""
+    """The other scripts' sections of an existing markdown file, or nothing."""
     text = markdown.read_text() if markdown.exists() else ""
-    if SECTION_START not in text:
-        return ""
-    return "\n" + SECTION_START + text.split(SECTION_START, 1)[1].split(SECTION_END, 1)[0] + SECTION_END + "\n"
+    kept = ""
+    for start, end in GENERATED_SECTIONS:
+        if start in text:
+            kept += "\n" + start + text.split(start, 1)[1].split(end, 1)[0] + end + "\n"
+    return kept
+
+
+def replace_section(markdown: Path, section: str, markers: tuple[str, str] = (SECTION_START, SECTION_END)) -> None:
+    """Replace the section between `markers` in `markdown` (or append it)."""
+    start, end = markers
+    text = markdown.read_text() if markdown.exists() else ""
+    if start in text:
+        before, rest = text.split(start, 1)
+        text = before + section + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    markdown.write_text(text)
 
 
 def _relative(path: str) -> str:
