@@ -106,7 +106,7 @@ def check_every_graph(install: Callable[[Any, str, Any], None]) -> None:
     def checked_build(self: Any, *args: Any, **kwargs: Any) -> Any:
         plan, traced = build(self, *args, **kwargs)
         for part in plan.plans() if plan is not None else ():
-            check(part.captured.graph, part.part.forward, part.part.forward_pure, part.part.backward)
+            check(part.stage_one.graph, part.part.forward, part.part.forward_pure, part.part.backward)
         return plan, traced
 
     higher_order = _executing.Plan.higher_order

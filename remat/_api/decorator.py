@@ -39,7 +39,7 @@ from .._running.chaining import Chain, Runnable, split_at_outputs
 from .._running.executing import Plan, eager_under_vmap
 from .._trace.arguments import Call, CaptureMemo, positional_names, split_call
 from .._trace.hooks import call_hooks
-from .._trace.records import Captured
+from .._trace.records import StageOne
 from .._trace.tracing import differentiate, inside_trace, nested_region
 from .reports import record
 
@@ -92,7 +92,7 @@ def without_remat() -> Iterator[None]:
 
 def _hooks_as_traced(plan: Runnable | None) -> bool:
     """Whether the modules a plan's trace called have the hooks they had then."""
-    hooks = plan.captured.hooks if plan is not None else None
+    hooks = plan.stage_one.hooks if plan is not None else None
     return hooks is None or hooks.current()
 
 
@@ -224,22 +224,22 @@ class Rematerialized:
                 plan = plans.lookup(call.key, call.storage_offsets)
                 if plan is MISSING or not _hooks_as_traced(plan):
                     plan, traced = self._build(call, policy, plans)
-                    offsets = call.storage_offsets() if plan is not None and plan.captured.reads_storage_offsets else None
+                    offsets = call.storage_offsets() if plan is not None and plan.stage_one.reads_storage_offsets else None
                     plans.store(call.key, call.key_labels(), plan, offsets, traced)
         if plan is None:  # nothing needs a gradient: there is nothing to checkpoint
             return self.fn(*args, **kwargs)
-        captured = plan.captured
-        inputs = captured.graph_inputs(call)
-        if eager_under_vmap(captured, inputs):  # exact without remat; rare (see there)
+        stage_one = plan.stage_one
+        inputs = stage_one.graph_inputs(call)
+        if eager_under_vmap(stage_one, inputs):  # exact without remat; rare (see there)
             return self.fn(*args, **kwargs)
         record(plan)
         results = plan.apply(inputs)
-        if captured.mutated:
+        if stage_one.mutated:
             self._apply_mutations(plan, inputs, results)
-        if captured.hook_calls:
-            hooked = results[captured.n_outputs - captured.n_hook_outputs : captured.n_outputs]
-            call_hooks(captured.hook_calls, hooked, self.region)
-        if captured.n_outputs == 1 and captured.out_spec.is_leaf():  # one tensor: no tree to rebuild
+        if stage_one.hook_calls:
+            hooked = results[stage_one.n_outputs - stage_one.n_hook_outputs : stage_one.n_outputs]
+            call_hooks(stage_one.hook_calls, hooked, self.region)
+        if stage_one.n_outputs == 1 and stage_one.out_spec.is_leaf():  # one tensor: no tree to rebuild
             return results[0]
         return self._rebuild_outputs(plan, results)
 
@@ -272,46 +272,46 @@ class Rematerialized:
             if plans.templates is None:
                 plans.templates = Templates(plans.maxsize)
             graphs = plans.templates.graphs_for(self.fn, self.region, call, policy)
-            captured, joint, traced = graphs.captured, graphs.joint, graphs.traced
+            stage_one, joint, traced = graphs.stage_one, graphs.joint, graphs.traced
             self._traces -= not traced
             self._specialized += joint is not None
-            warn_unmatched_references(captured.scopes, captured.graph.graph)
-            signature = graph_signature(captured)
+            warn_unmatched_references(stage_one.scopes, stage_one.graph.graph)
+            signature = graph_signature(stage_one)
             key = None if signature is None else (signature, self.debug, transforms_active(), nested_gradients())
             shared = None if key is None else shared_plan(key)
             if shared is not None:  # another region traced the same graph: reuse its partition
                 graphs.charge(shared.trace_seconds)
-                return shared.for_capture(captured, self.region), traced
-            plan = self._plan(captured, captured.mutated, joint)
+                return shared.for_capture(stage_one, self.region), traced
+            plan = self._plan(stage_one, stage_one.mutated, joint)
             trace_seconds = graphs.charge(None)
             if key is not None and isinstance(plan, Plan):
                 plan.trace_seconds = trace_seconds
                 share_plan(key, plan)
             return plan, traced
 
-    def _plan(self, captured: Captured, updated: Sequence[int], joint: torch.fx.GraphModule | None = None) -> Runnable | None:
+    def _plan(self, stage_one: StageOne, updated: Sequence[int], joint: torch.fx.GraphModule | None = None) -> Runnable | None:
         """A Plan for the captured graph, or a Chain of plans where outputs feed other
         outputs. `updated`: the inputs the region updates after its forward; `joint`: the
         forward+backward graph when a template gave it."""
-        diff_inputs = [i for i, needs in enumerate(captured.input_needs_grad) if needs]
+        diff_inputs = [i for i, needs in enumerate(stage_one.input_needs_grad) if needs]
         if not diff_inputs:
             return None
-        halves = split_at_outputs(captured) if joint is None else None  # templates are never chains
+        halves = split_at_outputs(stage_one) if joint is None else None  # templates are never chains
         if halves is not None:
             first, rest, first_positions = halves
-            return Chain(captured, self._plan(first, updated), self._plan(rest, updated), first_positions)  # type: ignore[arg-type]
-        float_outputs = [j for j, differentiable in enumerate(captured.output_differentiable) if differentiable]
+            return Chain(stage_one, self._plan(first, updated), self._plan(rest, updated), first_positions)  # type: ignore[arg-type]
+        float_outputs = [j for j, differentiable in enumerate(stage_one.output_differentiable) if differentiable]
         builds_graph = transforms_active()  # torch.func differentiates a backward as a graph; .backward() does not
         if joint is None:
-            joint = differentiate(captured, diff_inputs, float_outputs, create_graph=builds_graph)
-        n_outputs = captured.n_outputs + len(captured.mutated)
-        decide = policy_decider(captured.scopes)
+            joint = differentiate(stage_one, diff_inputs, float_outputs, create_graph=builds_graph)
+        n_outputs = stage_one.n_outputs + len(stage_one.mutated)
+        decide = policy_decider(stage_one.scopes)
         part = partition(
-            joint, len(captured.input_values), n_outputs, decide, debug=self.debug, mutated=updated,
-            budget=budget_of(captured.scopes), offload=not nested_gradients(), rng_end=captured.rng_end,
+            joint, len(stage_one.input_values), n_outputs, decide, debug=self.debug, mutated=updated,
+            budget=budget_of(stage_one.scopes), offload=not nested_gradients(), rng_end=stage_one.rng_end,
         )
         plan = Plan(
-            captured=captured, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region,
+            stage_one=stage_one, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region,
             builds_graph=builds_graph,
         )
         if nested_gradients():
@@ -321,16 +321,16 @@ class Rematerialized:
     @staticmethod
     def _apply_mutations(plan: Runnable, inputs: list[torch.Tensor], results: Sequence[torch.Tensor]) -> None:
         """Mutations of inputs happen here, once per call, never in recompute."""
-        first = plan.captured.n_outputs
+        first = plan.stage_one.n_outputs
         with torch.no_grad():
-            for k, index in enumerate(plan.captured.mutated):
+            for k, index in enumerate(plan.stage_one.mutated):
                 copy_into(inputs[index], results[first + k])
 
     @staticmethod
     def _rebuild_outputs(plan: Runnable, results: Sequence[torch.Tensor]) -> Any:
-        tensors = iter(results[: plan.captured.n_outputs])
-        leaves = [next(tensors) if leaf is None else leaf for leaf in plan.captured.out_static]
-        return optree.tree_unflatten(plan.captured.out_spec, leaves)
+        tensors = iter(results[: plan.stage_one.n_outputs])
+        leaves = [next(tensors) if leaf is None else leaf for leaf in plan.stage_one.out_static]
+        return optree.tree_unflatten(plan.stage_one.out_spec, leaves)
 
 
 def remat(

@@ -133,20 +133,20 @@ def human_flops(count: int) -> str:
 
 def plan_report(plan: Plan) -> Report:
     """What one plan keeps (kept inputs, then kept values) and recomputes."""
-    captured = plan.captured
+    stage_one = plan.stage_one
     report = Report()
     for i in plan.part.saved_inputs:
-        val = captured.input_values[i]
+        val = stage_one.input_values[i]
         shape = tuple(val.shape)
         report.residuals.append(
-            Residual(shape, val.dtype, nbytes_of(shape, val.dtype), "input", None, None, captured.input_paths[i], plan.region)
+            Residual(shape, val.dtype, nbytes_of(shape, val.dtype), "input", None, None, stage_one.input_paths[i], plan.region)
         )
     for kept in plan.part.kept:
-        region = captured.scopes[kept.scope].region
+        region = stage_one.scopes[kept.scope].region
         nbytes = nbytes_of(kept.shape, kept.dtype)
         report.residuals.append(Residual(kept.shape, kept.dtype, nbytes, kept.kind, kept.op, kept.name, kept.source, region))
     for op in plan.part.recomputed:
-        report.recomputes.append(Recompute(op.op, op.source, op.flops, captured.scopes[op.scope].region))
+        report.recomputes.append(Recompute(op.op, op.source, op.flops, stage_one.scopes[op.scope].region))
     return report
 
 

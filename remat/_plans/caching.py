@@ -12,12 +12,15 @@ import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .._core.errors import RematRetraceWarning
 from .._core.locking import TRACE_LOCK
 from .._core.torch_internals import drop_fake_cache_entries
 from .sharing import clear_shared_plans
+
+if TYPE_CHECKING:
+    from .templates import Templates
 
 DEFAULT_CACHE_SIZE = 64  # plans per function and policy; the least recently used goes first
 RETRACE_WARNING_AFTER = 8  # traces of one function before the first warning (then 16, 32, ...)
@@ -43,7 +46,7 @@ class PlanCache:
     traces: int = 0
     _warned_at: int = 0
     _last: tuple[tuple[Any, ...], Sequence[str]] | None = None
-    templates: Any = None  # the function's shape templates (`templates.Templates`), made on first trace
+    templates: Templates | None = None  # the function's shape templates, made on first trace
     # the most recently used key and its plan: already last in LRU order, so a call with the
     # same signature as the one before (a training loop) needs no dict lookup or reordering
     _recent: tuple[tuple[Any, ...], Any] | None = None

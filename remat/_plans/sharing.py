@@ -26,7 +26,7 @@ import torch.fx
 from .._core.torch_internals import OpOverload
 
 if TYPE_CHECKING:
-    from .._trace.records import Captured
+    from .._trace.records import StageOne
 
 _SHARED: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDictionary()
 
@@ -78,13 +78,13 @@ def _target(target: Any) -> Any:
     raise _Unshareable(repr(target))
 
 
-def graph_signature(captured: Captured) -> tuple[Any, ...] | None:
+def graph_signature(stage_one: StageOne) -> tuple[Any, ...] | None:
     """Everything of a stage-1 capture its plan depends on, or None when it cannot be
     compared for certain (the plan is then not shared)."""
     index: dict[torch.fx.Node, int] = {}
     nodes = []
     try:
-        for node in captured.graph.graph.nodes:
+        for node in stage_one.graph.graph.nodes:
             if node.op not in ("placeholder", "call_function", "output"):
                 raise _Unshareable(node.op)  # get_attr: a constant whose values live on the module
             index[node] = len(index)
@@ -96,16 +96,16 @@ def graph_signature(captured: Captured) -> tuple[Any, ...] | None:
                 _traced_value(node.meta.get("val")),
                 _canonical(node.meta.get("custom", {}), index),
             ))
-        outputs = _canonical(captured.out_static, {})
-        streams = _canonical(captured.rng_end, {})
+        outputs = _canonical(stage_one.out_static, {})
+        streams = _canonical(stage_one.rng_end, {})
     except _Unshareable:
         return None
     return (
         tuple(nodes),
-        captured.n_explicit, tuple(captured.lifted), len(captured.by_reference), captured.out_spec, outputs,
-        captured.n_outputs, tuple(captured.mutated), tuple(captured.input_needs_grad),
-        tuple(captured.output_differentiable), captured.reads_storage_offsets,
-        tuple(scope.policy for scope in captured.scopes), streams,
+        stage_one.n_explicit, tuple(stage_one.lifted), len(stage_one.by_reference), stage_one.out_spec, outputs,
+        stage_one.n_outputs, tuple(stage_one.mutated), tuple(stage_one.input_needs_grad),
+        tuple(stage_one.output_differentiable), stage_one.reads_storage_offsets,
+        tuple(scope.policy for scope in stage_one.scopes), streams,
     )
 
 

@@ -37,7 +37,7 @@ from .._core.torch_internals import (
 )
 from .._running.chaining import split_at_outputs
 from .._trace.arguments import Call
-from .._trace.records import Captured
+from .._trace.records import StageOne
 from .._trace.tracing import capture, differentiate
 
 
@@ -49,26 +49,26 @@ class _NoTemplate(Exception):
 class Template:
     """The graphs of one function traced with some dimensions symbolic."""
 
-    captured: Captured  # stage 1, symbolic
+    stage_one: StageOne  # stage 1, symbolic
     joint: torch.fx.GraphModule  # forward+backward, symbolic
     mode: Any  # the fake mode of the trace, holding its shape environment
     guards: str | None  # a Python expression over the inputs' sizes, strides and offsets
     dims: tuple[frozenset[int], ...]  # per tensor of the call (arguments, then captured): symbolic dims
 
-    def specialize(self, call: Call) -> tuple[Captured, torch.fx.GraphModule] | None:
+    def specialize(self, call: Call) -> tuple[StageOne, torch.fx.GraphModule] | None:
         """The stage-1 and joint graphs for this call's sizes, or None if the guards fail."""
-        captured = self.captured
-        inputs = captured.graph_inputs(call)
+        stage_one = self.stage_one
+        inputs = stage_one.graph_inputs(call)
         if not guards_hold(self.mode, self.guards, inputs):
             return None
-        values = _AtSizes(self.mode, _bindings(self.mode, captured.input_values, inputs))
+        values = _AtSizes(self.mode, _bindings(self.mode, stage_one.input_values, inputs))
         try:
-            graph = values.graph(captured.graph)
+            graph = values.graph(stage_one.graph)
             joint = values.graph(self.joint)
         except _NoTemplate:  # a size the inputs do not determine (data-dependent)
             return None
         input_values = [n.meta["val"] for n in graph.graph.nodes if n.op == "placeholder"]
-        return dataclasses.replace(captured, graph=graph, input_values=input_values), joint
+        return dataclasses.replace(stage_one, graph=graph, input_values=input_values), joint
 
 
 def _bindings(mode: Any, placeholders: list[Any], inputs: list[torch.Tensor]) -> dict[Any, Any]:
@@ -152,20 +152,20 @@ def trace_template(
         # a pass that writes a symbolic size into a node (random_fills_in_memory_order) is fine:
         # sizes in arguments are evaluated like every other at specialization
         warnings.filterwarnings("ignore", message="Raw SymInt value", category=UserWarning)
-        captured = capture(fn, region, call, policy)
-        diff_inputs = [i for i, needs in enumerate(captured.input_needs_grad) if needs]
+        stage_one = capture(fn, region, call, policy)
+        diff_inputs = [i for i, needs in enumerate(stage_one.input_needs_grad) if needs]
         if not diff_inputs:
             raise _NoTemplate("nothing needs a gradient")
-        if captured.reads_storage_offsets:
+        if stage_one.reads_storage_offsets:
             raise _NoTemplate("as_strided reads an input: plans are per storage offset")
-        if any(isinstance(leaf, SYMBOLIC_SCALARS) for leaf in captured.out_static):
+        if any(isinstance(leaf, SYMBOLIC_SCALARS) for leaf in stage_one.out_static):
             raise _NoTemplate("the function returns a size")
-        if split_at_outputs(captured) is not None:
+        if split_at_outputs(stage_one) is not None:
             raise _NoTemplate("outputs feed other outputs (a chain of plans)")
-        float_outputs = [j for j, differentiable in enumerate(captured.output_differentiable) if differentiable]
-        joint = differentiate(captured, diff_inputs, float_outputs, create_graph=False)  # templates: no transforms
-        guards = guards_expression(mode, captured.input_values)
-    return Template(captured, joint, mode, guards, dims)
+        float_outputs = [j for j, differentiable in enumerate(stage_one.output_differentiable) if differentiable]
+        joint = differentiate(stage_one, diff_inputs, float_outputs, create_graph=False)  # templates: no transforms
+        guards = guards_expression(mode, stage_one.input_values)
+    return Template(stage_one, joint, mode, guards, dims)
 
 
 # A template's symbolic trace costs about this many plain traces of the same function
@@ -200,7 +200,7 @@ class Graphs:
     """What `Templates.graphs_for` gives: stage 1 for the call, the joint graph when a
     template gave it (None: trace it), and whether the function was traced."""
 
-    captured: Captured
+    stage_one: StageOne
     joint: torch.fx.GraphModule | None
     traced: bool
     family: _Family | None

@@ -22,13 +22,13 @@ import torch
 from .._core.nodes import ancestors, is_random
 from .._core.torch_internals import graph_module
 from .._trace.randomness import steps_of
-from .._trace.records import Captured
+from .._trace.records import StageOne
 
 
 class Runnable(Protocol):
     """A Plan or a Chain: what a region runs per call."""
 
-    captured: Captured
+    stage_one: StageOne
 
     def apply(self, inputs: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]: ...
 
@@ -39,7 +39,7 @@ class Runnable(Protocol):
 class Chain:
     """A region run as `first` (the outputs others are computed from), then `rest`."""
 
-    captured: Captured  # the whole region's
+    stage_one: StageOne  # the whole region's
     first: Runnable
     rest: Runnable
     first_positions: list[list[int]]  # for each of first's outputs, where it goes among the region's outputs
@@ -48,49 +48,49 @@ class Chain:
         """The region's outputs, then the new values of its mutated inputs."""
         first = list(self.first.apply(inputs)[: len(self.first_positions)])
         placed = {j: value for value, positions in zip(first, self.first_positions) for j in positions}
-        rest = iter(self.rest.apply([*inputs, *first])[: self.captured.n_outputs - len(placed) + len(self.captured.mutated)])
-        return tuple(placed[j] if j in placed else next(rest) for j in range(self.captured.n_outputs)) + tuple(rest)
+        rest = iter(self.rest.apply([*inputs, *first])[: self.stage_one.n_outputs - len(placed) + len(self.stage_one.mutated)])
+        return tuple(placed[j] if j in placed else next(rest) for j in range(self.stage_one.n_outputs)) + tuple(rest)
 
     def plans(self) -> list[Any]:
         return self.first.plans() + self.rest.plans()
 
 
-def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[list[int]]] | None:
+def split_at_outputs(stage_one: StageOne) -> tuple[StageOne, StageOne, list[list[int]]] | None:
     """(first, rest, where each of first's outputs goes) when other outputs are computed
     from some differentiable outputs, else None. first computes each such value once, as
     many places as it is returned at (an output returned twice, or also given to a hook)."""
-    graph = captured.graph.graph
+    graph = stage_one.graph.graph
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
-    n_mutated = len(captured.mutated)
+    n_mutated = len(stage_one.mutated)
     live = ancestors(outs, stop=set())  # what the outputs are computed from (not a dead detach)
     cuts = {
         outs[j]
-        for j in range(captured.n_outputs - captured.n_hook_outputs)  # what hooks are given does not split
+        for j in range(stage_one.n_outputs - stage_one.n_hook_outputs)  # what hooks are given does not split
         if isinstance(outs[j], torch.fx.Node)
         and outs[j].op != "placeholder"
-        and captured.output_differentiable[j]
+        and stage_one.output_differentiable[j]
         and any(user is not output and user in live for user in outs[j].users)
     }
     if not cuts:
         return None
-    first_positions = [j for j in range(captured.n_outputs) if outs[j] in cuts]
-    rest_positions = [j for j in range(captured.n_outputs) if outs[j] not in cuts]
-    rest_positions += range(captured.n_outputs, captured.n_outputs + n_mutated)
+    first_positions = [j for j in range(stage_one.n_outputs) if outs[j] in cuts]
+    rest_positions = [j for j in range(stage_one.n_outputs) if outs[j] not in cuts]
+    rest_positions += range(stage_one.n_outputs, stage_one.n_outputs + n_mutated)
     cut_nodes = list(dict.fromkeys(outs[j] for j in first_positions))
     placements = [[j for j in first_positions if outs[j] is node] for node in cut_nodes]
 
     first_nodes = ancestors([outs[j] for j in first_positions], stop=set())
     rest_nodes = ancestors([outs[j] for j in rest_positions], stop=set(cut_nodes))
-    reseeds = captured.rng_end is not None and steps_of(graph.nodes, captured.rng_end) is not None
+    reseeds = stage_one.rng_end is not None and steps_of(graph.nodes, stage_one.rng_end) is not None
     if not _random_draws_keep_their_order(graph, first_nodes, rest_nodes) or reseeds:
         return None  # (the function's own reseeding is replayed by one forward graph)
 
-    first_gm = _subgraph(captured.graph, first_nodes, cut_nodes, [])
-    rest_gm = _subgraph(captured.graph, rest_nodes, [outs[j] for j in rest_positions], cut_nodes)
+    first_gm = _subgraph(stage_one.graph, first_nodes, cut_nodes, [])
+    rest_gm = _subgraph(stage_one.graph, rest_nodes, [outs[j] for j in rest_positions], cut_nodes)
     # Every draw continues the stream (else the region stays whole), so each part's do too.
     first = dataclasses.replace(
-        captured,
+        stage_one,
         rng_end=None,
         graph=first_gm,
         n_outputs=len(cut_nodes),
@@ -101,17 +101,17 @@ def split_at_outputs(captured: Captured) -> tuple[Captured, Captured, list[list[
         hooks=None,
     )
     rest = dataclasses.replace(
-        captured,
+        stage_one,
         rng_end=None,
         graph=rest_gm,
         n_outputs=len(rest_positions) - n_mutated,
         n_hook_outputs=0,
         hook_calls=[],
         hooks=None,
-        output_differentiable=[captured.output_differentiable[j] for j in rest_positions[: len(rest_positions) - n_mutated]],
-        input_values=[*captured.input_values, *(node.meta["val"] for node in cut_nodes)],
-        input_needs_grad=[*captured.input_needs_grad, *(True for _ in cut_nodes)],
-        input_paths=[*captured.input_paths, *(f"output {outs.index(node)} of the region" for node in cut_nodes)],
+        output_differentiable=[stage_one.output_differentiable[j] for j in rest_positions[: len(rest_positions) - n_mutated]],
+        input_values=[*stage_one.input_values, *(node.meta["val"] for node in cut_nodes)],
+        input_needs_grad=[*stage_one.input_needs_grad, *(True for _ in cut_nodes)],
+        input_paths=[*stage_one.input_paths, *(f"output {outs.index(node)} of the region" for node in cut_nodes)],
     )
     return first, rest, placements
 

@@ -32,7 +32,7 @@ from .._core.torch_internals import (
 )
 from .._partition.partitioning import Partition, partition
 from .._trace.passes import without_absent_cotangents
-from .._trace.records import Captured
+from .._trace.records import StageOne
 from .._trace.tracing import vjp_of_graph
 from .graph_code import direct_code
 from .layouts import run_checked
@@ -46,7 +46,7 @@ def _is_float(value: Any) -> bool:
 class Plan:
     """Everything remat needs to run one traced signature of one function."""
 
-    captured: Captured
+    stage_one: StageOne
     part: Partition
     diff_inputs: list[int]  # inputs that get gradients
     float_outputs: list[int]  # outputs that receive cotangents
@@ -87,11 +87,11 @@ class Plan:
             self._checked[id(gm)] = functools.partial(_second_run, self._checked, gm)
         return outputs
 
-    def for_capture(self, captured: Captured, region: str) -> Plan:
+    def for_capture(self, stage_one: StageOne, region: str) -> Plan:
         """This plan for another region whose stage-1 graph is the same (`_plans/sharing`): the
         partitioned graphs are shared, names and captured tensors are the other region's."""
         return dataclasses.replace(
-            self, captured=captured, region=region, _higher_order=None, extra_inputs=list(self.extra_inputs)
+            self, stage_one=stage_one, region=region, _higher_order=None, extra_inputs=list(self.extra_inputs)
         )  # the set of graphs whose layouts were checked is shared: the same graphs, inputs laid out alike
 
     def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -131,7 +131,7 @@ class Plan:
 
     @functools.cached_property
     def n_outputs(self) -> int:
-        return self.captured.n_outputs + len(self.captured.mutated)
+        return self.stage_one.n_outputs + len(self.stage_one.mutated)
 
     @functools.cached_property
     def _output_nodes(self) -> list[torch.fx.Node]:
@@ -176,11 +176,11 @@ class Plan:
         cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
         n_states = len(self.part.replayed) + self.part.checked
         n_values = len(values) - n_states  # rng states and debug values are not values of the pure graph
-        joint = vjp_of_graph(self.part.forward_pure, self.captured.input_values, self.diff_inputs, cotangent_outputs)
+        joint = vjp_of_graph(self.part.forward_pure, self.stage_one.input_values, self.diff_inputs, cotangent_outputs)
         outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][:n_values]
         residuals = self.part.residual_outputs[: len(self.part.residual_outputs) - n_states]
         chosen = {outs[j] for j in residuals}
-        full = partition(joint, len(self.captured.input_values), n_values, chosen.__contains__, exact=True)
+        full = partition(joint, len(self.stage_one.input_values), n_values, chosen.__contains__, exact=True)
         return full, cotangent_outputs, residuals
 
     def keep_inputs_for_second_order(self) -> None:
@@ -192,7 +192,7 @@ class Plan:
     @functools.cached_property
     def every_input_differentiable(self) -> bool:
         """Whether the backward's gradients are those of every input, in order."""
-        return self.diff_inputs == list(range(len(self.captured.input_values)))
+        return self.diff_inputs == list(range(len(self.stage_one.input_values)))
 
     @functools.cached_property
     def n_first_order_kept(self) -> int:
@@ -210,7 +210,7 @@ class Plan:
         full, cotangent_outputs, residuals = self._second_order
         full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
         kept_inputs = self.part.saved_inputs + self.extra_inputs
-        missing = [self.captured.input_paths[i] for i in full.saved_inputs if i not in kept_inputs]
+        missing = [self.stage_one.input_paths[i] for i in full.saved_inputs if i not in kept_inputs]
         inner = [f"output {j}" for j in full_residuals if j not in residuals]
         inner += [f"random op {k}" for k in full.replayed if k not in self.part.replayed]
         if missing or inner:
@@ -232,7 +232,7 @@ class Plan:
         return full, order, cotangent_outputs
 
 
-def eager_under_vmap(captured: Captured, inputs: Sequence[torch.Tensor]) -> bool:
+def eager_under_vmap(stage_one: StageOne, inputs: Sequence[torch.Tensor]) -> bool:
     """Whether, called under a vmap (the innermost transform) with these inputs, the region
     must run as it is, without remat, to be exact; two cases, both rare:
     - torch's generated vmap rule runs the backward per batch element and sums what
@@ -245,16 +245,16 @@ def eager_under_vmap(captured: Captured, inputs: Sequence[torch.Tensor]) -> bool
       cannot be filled differently per element), which running the region as it is repeats."""
     if torch.compiler.is_compiling() or not transforms_active():  # dynamo resuming after a break: no vmap
         return False
-    if captured.fills_like and vmap_randomness_different() and any(has_batched_level(t) for t in inputs):
+    if stage_one.fills_like and vmap_randomness_different() and any(has_batched_level(t) for t in inputs):
         return True
     vmap = innermost_vmap()
     if vmap is None:
         return False
     level, randomness = vmap
     batched = tuple(batched_at(t, level) for t in inputs)
-    if all(batched) or not any(needs and not b for needs, b in zip(captured.input_needs_grad, batched)):
+    if all(batched) or not any(needs and not b for needs, b in zip(stage_one.input_needs_grad, batched)):
         return False
-    return _output_of_unbatched_inputs(captured.graph, tuple(captured.output_differentiable), batched, randomness)
+    return _output_of_unbatched_inputs(stage_one.graph, tuple(stage_one.output_differentiable), batched, randomness)
 
 
 @functools.lru_cache(maxsize=256)
@@ -326,7 +326,7 @@ class RematFunction(torch.autograd.Function):
             input_grads = plan.run(backward, *first_order, *tangents)
         if plan.every_input_differentiable:
             return (None, *input_grads)
-        result: list[torch.Tensor | None] = [None] * (len(plan.captured.input_values) + 1)
+        result: list[torch.Tensor | None] = [None] * (len(plan.stage_one.input_values) + 1)
         for i, g in zip(plan.diff_inputs, input_grads):
             result[i + 1] = g
         return tuple(result)

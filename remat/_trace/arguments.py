@@ -103,7 +103,7 @@ class Call:
         """Put `replacements` where the captured tensors live (closure cells, module
         parameters), for the duration of a trace; tuple-held ones stay as they are."""
         done = []
-        _SUBSTITUTING[0] += 1
+        _SUBSTITUTING.count += 1
         try:
             for setter, original, new in zip(self.captured_setters, self.captured, replacements):
                 if setter is not None:
@@ -113,7 +113,7 @@ class Call:
         finally:
             for setter, original in reversed(done):
                 setter(original)
-            _SUBSTITUTING[0] += 1
+            _SUBSTITUTING.count += 1
 
 
 def _storage_offset(t: torch.Tensor) -> int:
@@ -273,9 +273,15 @@ def _with_captured(
     return Call(tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key), leaf_paths)
 
 
-# Odd while a trace has put stand-ins where functions find their captured tensors; counts
-# up at every start and end of such a substitution (only ever under TRACE_LOCK).
-_SUBSTITUTING = [0]
+class _Substitutions:
+    """Counts up at every start and end of a trace's substitution of stand-ins where
+    functions find their captured tensors (only ever under TRACE_LOCK): odd while one is in
+    progress, and changed if one happened in between two reads."""
+
+    count = 0
+
+
+_SUBSTITUTING = _Substitutions()
 
 
 Collected = tuple[list[torch.Tensor], list[str], list["Setter | None"], tuple[Any, ...]]
@@ -400,9 +406,9 @@ def _collect_consistently(fn: Callable[..., Any], memo: CaptureMemo | None = Non
         if found is not None:
             return found
         snapshot = ModuleSnapshot(fn)
-    before = _SUBSTITUTING[0]
+    before = _SUBSTITUTING.count
     found = collect_captured(fn)
-    if before % 2 == 0 and _SUBSTITUTING[0] == before:
+    if before % 2 == 0 and _SUBSTITUTING.count == before:
         if roots is not None:
             memo.remember(roots, found)  # type: ignore[union-attr]
         elif snapshot is not None and snapshot.unchanged():  # the walk read what the snapshot holds

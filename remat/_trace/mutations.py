@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Sequence
 
 import torch
 import torch.fx
@@ -20,9 +20,6 @@ from .._core.errors import RematTraceError
 from .._core.nodes import comes_after, source_line, written_arguments
 from .._core.torch_internals import OpOverload
 from .passes import argument
-
-if TYPE_CHECKING:
-    from .records import Captured
 
 _aten = torch.ops.aten
 # Batch norms in training mode that update running statistics in place. All take
@@ -190,9 +187,10 @@ def _through_aliases(node: Any) -> Any:
     return node
 
 
-def outputs_for_mutations(captured: Captured, fn_name: str) -> None:
-    """Replace functionalization's trailing `copy_(input, new)` by extra outputs."""
-    gm = captured.graph
+def outputs_for_mutations(gm: torch.fx.GraphModule, fn_name: str, input_paths: Sequence[str], input_needs_grad: Sequence[bool]) -> list[int]:
+    """Replace functionalization's trailing `copy_(input, new)` by extra outputs; returns the
+    inputs written, in the order of their new values after the outputs."""
+    mutated: list[int] = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     output = next(n for n in gm.graph.nodes if n.op == "output")
     extra: list[torch.fx.Node] = []
@@ -201,12 +199,12 @@ def outputs_for_mutations(captured: Captured, fn_name: str) -> None:
         if node.target is torch.ops.aten.copy_.default and target in placeholders:
             index = placeholders.index(target)
             example = target.meta["val"]  # type: ignore[union-attr]
-            if (example.is_floating_point() or example.is_complex()) and captured.input_needs_grad[index]:
+            if (example.is_floating_point() or example.is_complex()) and input_needs_grad[index]:
                 raise RematTraceError(
-                    f"remat({fn_name}) mutates its input `{captured.input_paths[index]}` in place, and "
+                    f"remat({fn_name}) mutates its input `{input_paths[index]}` in place, and "
                     "that input requires grad. Return the new value instead of mutating the input."
                 )
-            captured.mutated.append(index)
+            mutated.append(index)
             written, value = node.args
             extra.append(value)
             node.replace_all_uses_with(written)
@@ -217,3 +215,4 @@ def outputs_for_mutations(captured: Captured, fn_name: str) -> None:
     if extra:
         outs = list(output.args[0])
         output.args = (outs + extra,)
+    return mutated

@@ -1,5 +1,5 @@
 """The records the stages pass on: the regions a trace met (`Scope`) and what stage 1
-captured of one function (`Captured`)."""
+recorded of one function (`StageOne`)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ class Scope:
     region: str
 
 
-@dataclass
-class Captured:
-    """The stage-1 graph of one function and what it needs per call."""
+@dataclass(frozen=True)
+class StageOne:
+    """The stage-1 graph of one function and what it needs per call, built whole once
+    stage 1 is done."""
 
     graph: torch.fx.GraphModule
     n_explicit: int  # graph inputs [0, n_explicit) are the call's tensors, in order

@@ -19,6 +19,7 @@ import operator
 import sys
 import types
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import optree
@@ -75,7 +76,7 @@ from .pipelines import stage_one_passes
 from .randomness import RNG_KEY, DrawTracker
 from .reachable import Snapshot, roots_of, stand_in_path
 from .recording import active_recorder, record_graph, traced_node
-from .records import Captured, Scope
+from .records import Scope, StageOne
 
 # While a function is being traced: the regions met so far and the index of the innermost
 # active one. None when not tracing.
@@ -321,7 +322,7 @@ def _fake_contiguous(mode: Any, t: torch.Tensor) -> torch.Tensor:
         return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
 
 
-def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[..., bool] | None) -> Captured:
+def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[..., bool] | None) -> StageOne:
     """Stage 1: trace `fn` on fake versions of the call's tensors and captured tensors."""
     out_info: dict[str, Any] = {}
     n_explicit = len(call.tensors)
@@ -378,12 +379,19 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     _reject_data_dependent_ops(gm, fn_name)
     _grad_free_writes_as_values_with_grad(gm, fn_name, [f.requires_grad for f in fakes])
     _number_random_ops(gm)
-    captured = Captured(
+    inputs = _GraphInputs(lifted=[], by_reference=[], paths=list(call.tensor_paths),
+                          needs_grad=[needs_grad(t) for t in call.tensors])
+    _keep_used_captured(gm, n_explicit, call, slotted, inputs)
+    _lift_constants(gm, call, fn_name, under_transform, inputs)
+    gm = stage_one_passes(gm, [needs_grad(t) and t.is_leaf for t in originals], functionalized, fn_name)
+    mutated = outputs_for_mutations(gm, fn_name, inputs.paths, inputs.needs_grad)
+    gm.recompile()
+    return StageOne(
         graph=gm,
         n_explicit=n_explicit,
-        lifted=[],
-        by_reference=[],
-        input_paths=list(call.tensor_paths),
+        lifted=inputs.lifted,
+        by_reference=inputs.by_reference,
+        input_paths=inputs.paths,
         out_spec=out_info["spec"],
         out_static=out_info["static"],
         n_outputs=sum(1 for x in out_info["static"] if x is None) + len(hooks.tensors),
@@ -391,22 +399,26 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         hook_calls=hooks.calls,
         hooks=hooks.hook_set() if hooks.seen else None,
         output_differentiable=out_info["differentiable"],
-        mutated=[],
-        input_needs_grad=[needs_grad(t) for t in call.tensors],
+        mutated=mutated,
+        input_needs_grad=inputs.needs_grad,
         scopes=scopes,
         rng_end=rng_end,
+        input_values=[n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"],
+        fills_like=any(n.meta.get("custom", {}).get(FILL_LIKE_KEY) for n in gm.graph.nodes),
+        reads_storage_offsets=_reads_storage_offsets(gm),
     )
-    _keep_used_captured(captured, call, slotted)
-    _lift_constants(captured, call, fn_name, under_transform)
-    gm = captured.graph = stage_one_passes(gm, [needs_grad(t) and t.is_leaf for t in originals], functionalized, fn_name)
-    outputs_for_mutations(captured, fn_name)
-    captured.input_values = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-    captured.fills_like = any(n.meta.get("custom", {}).get(FILL_LIKE_KEY) for n in gm.graph.nodes)
-    captured.reads_storage_offsets = _reads_storage_offsets(gm)
-    gm.recompile()
-    return captured
 
 
+@dataclass
+class _GraphInputs:
+    """The stage-1 graph's inputs beyond the call's tensors, gathered while they are made
+    inputs: which captured tensors (indices into Call.captured), which tensors held by
+    reference, and every input's path and whether it needs grad."""
+
+    lifted: list[int]
+    by_reference: list[torch.Tensor]
+    paths: list[str]
+    needs_grad: list[bool]
 
 
 def _reads_storage_offsets(gm: torch.fx.GraphModule) -> bool:
@@ -478,16 +490,16 @@ def _code_of(fn: Callable[..., Any]) -> types.CodeType | None:
     return getattr(function, "__code__", None)
 
 
-def _keep_used_captured(captured: Captured, call: Call, slotted: list[int]) -> None:
+def _keep_used_captured(gm: torch.fx.GraphModule, n_explicit: int, call: Call, slotted: list[int], inputs: _GraphInputs) -> None:
     """Captured tensors the function never read are dropped from the graph's inputs."""
-    placeholders = [n for n in captured.graph.graph.nodes if n.op == "placeholder"][captured.n_explicit :]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][n_explicit:]
     for index, node in zip(slotted, placeholders):
         if node.users:
-            captured.lifted.append(index)
-            captured.input_paths.append(call.captured_paths[index])
-            captured.input_needs_grad.append(needs_grad(call.captured[index]))
+            inputs.lifted.append(index)
+            inputs.paths.append(call.captured_paths[index])
+            inputs.needs_grad.append(needs_grad(call.captured[index]))
         else:
-            captured.graph.graph.erase_node(node)
+            gm.graph.erase_node(node)
 
 
 def _number_random_ops(gm: torch.fx.GraphModule) -> None:
@@ -576,9 +588,8 @@ def _insert_placeholder(gm: torch.fx.GraphModule, name: str, example: Any) -> to
     return node
 
 
-def _lift_constants(captured: Captured, call: Call, fn_name: str, under_transform: bool) -> None:
+def _lift_constants(gm: torch.fx.GraphModule, call: Call, fn_name: str, under_transform: bool, inputs: _GraphInputs) -> None:
     """Turn captured tensors, which a trace records as constants, into graph inputs."""
-    gm = captured.graph
     by_identity = {
         id(unwrap_transforms(t)): i for i, t in enumerate(call.captured) if call.captured_setters[i] is None
     }
@@ -603,12 +614,12 @@ def _lift_constants(captured: Captured, call: Call, fn_name: str, under_transfor
                     "closure, and that tensor is batched by an enclosing vmap. Pass it to the function "
                     "as an argument, or hold it in a list or dict."
                 )
-            captured.lifted.append(index)
-            captured.input_needs_grad.append(needs_grad(original))
+            inputs.lifted.append(index)
+            inputs.needs_grad.append(needs_grad(original))
             path = call.captured_paths[index]
         elif value.requires_grad and not under_transform:
-            captured.by_reference.append(value)
-            captured.input_needs_grad.append(True)
+            inputs.by_reference.append(value)
+            inputs.needs_grad.append(True)
             path = f"<captured tensor {tuple(value.shape)}>"
         elif under_transform and (value.is_floating_point() or value.is_complex()):
             raise RematTraceError(
@@ -619,15 +630,15 @@ def _lift_constants(captured: Captured, call: Call, fn_name: str, under_transfor
             )
         else:
             continue
-        placeholder = _insert_placeholder(gm, f"captured_{len(captured.input_paths)}", _fake_like(mode, value))
-        captured.input_paths.append(path)
+        placeholder = _insert_placeholder(gm, f"captured_{len(inputs.paths)}", _fake_like(mode, value))
+        inputs.paths.append(path)
         node.replace_all_uses_with(placeholder)
         gm.graph.erase_node(node)
     gm.graph.lint()
 
 
 def differentiate(
-    captured: Captured, diff_inputs: Sequence[int], float_outputs: Sequence[int], create_graph: bool = True
+    stage_one: StageOne, diff_inputs: Sequence[int], float_outputs: Sequence[int], create_graph: bool = True
 ) -> torch.fx.GraphModule:
     """Stage 2: one graph computing the outputs and the vjp w.r.t. `diff_inputs`.
 
@@ -639,8 +650,8 @@ def differentiate(
     Inputs: every stage-1 input, then one tangent per output in `float_outputs`.
     Outputs: every stage-1 output, then one gradient per input in `diff_inputs`.
     """
-    g1 = captured.graph
-    n_inputs = len(captured.input_values)
+    g1 = stage_one.graph
+    n_inputs = len(stage_one.input_values)
     out_values = graph_output_values(g1)
 
     blame: list[torch.fx.Node] = []  # the forward node whose derivative runs now
@@ -662,7 +673,7 @@ def differentiate(
 
     with tracing_isolated(), autocast_off():
         mode = new_fake_mode()
-        examples = [_fake_like(mode, v) for v in captured.input_values]
+        examples = [_fake_like(mode, v) for v in stage_one.input_values]
         for i in diff_inputs:
             examples[i].requires_grad_(True)
         # tangents are traced contiguous; Plan.cotangent makes the real ones so
@@ -673,7 +684,7 @@ def differentiate(
             node = blame[-1] if blame else None
             source = source_line(node) if node is not None else None
             failure = backward_failure(
-                captured.scopes[0].region if captured.scopes else "the region", error, node.target if node is not None else None, source
+                stage_one.scopes[0].region if stage_one.scopes else "the region", error, node.target if node is not None else None, source
             )
             if failure is error:
                 raise
@@ -800,7 +811,7 @@ def vjp_of_graph(
     forward: torch.fx.GraphModule, input_values: Sequence[Any], diff_inputs: Sequence[int], cotangent_outputs: Sequence[int]
 ) -> torch.fx.GraphModule:
     """A joint graph for an already partitioned forward graph (used for higher-order grads)."""
-    shim = Captured(
+    shim = StageOne(
         graph=forward, n_explicit=len(input_values), lifted=[], by_reference=[], input_paths=[],
         out_spec=None, out_static=[], n_outputs=0, mutated=[], input_values=list(input_values),
     )
