@@ -35,8 +35,8 @@ step() {  # step NAME SECONDS COMMAND...: run under a timeout, log, and summaris
 }
 
 PYTEST="python3 -P -m pytest -p no:cacheprovider -rf"
-step cuda_tests 180 $PYTEST --junitxml="$LOGS/junit-cuda.xml" tests/test_cuda.py tests/test_layouts.py \
-  tests/test_exactness.py tests/test_caching_and_errors.py -k "cuda or layout or attention or autocast"
+step cuda_tests 180 $PYTEST --junitxml="$LOGS/junit-cuda.xml" tests/contract/test_cuda.py tests/contract/test_layouts.py \
+  tests/contract/test_exactness.py tests/contract/test_caching_and_errors.py -k "cuda or layout or attention or autocast"
 step suite 360 $PYTEST --junitxml="$LOGS/junit-suite.xml" -m "not opinfo" --maxfail=20
 step bench_cuda 420 python3 bench/bench_remat.py --size cuda --device cuda --repeats 3 --warmup 1 \
   --out "$LOGS/results-cuda.json"

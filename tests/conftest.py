@@ -1,7 +1,23 @@
+"""What every test shares: comparisons with an oracle, the graph checks run on every plan,
+the sweep markers and the default set.
+
+Where a test goes:
+  contract/  a promise remat makes to its users (a policy keeps what it says, a transform or
+             a channel of the user's Python gives what eager gives, an error names its fix,
+             an example or benchmark script runs), each against the same code without remat.
+  units/     one part of the mechanism or the house on its own (the partitioner, passes,
+             argument splitting, the policy vocabulary, the layering, the fast paths).
+  oracles/   sweeps against oracles remat did not write: torch's OpInfo database, real
+             models, random programs, make_fx, properties; what they found.
+  support/   modules the tests import (model and function zoos, the OpInfo and differential
+             drivers, the recording oracle); no tests.
+"""
+
 from __future__ import annotations
 
 import itertools
 import os
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -12,6 +28,8 @@ import torch
 import torch.fx
 
 from remat import policies as P
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "support"))  # the tests' shared modules
 
 
 def assert_close(actual: Any, expected: Any, *, rtol: float = 1e-8, atol: float = 1e-10) -> None:
@@ -89,7 +107,7 @@ def policy(request: pytest.FixtureRequest) -> Any:
 def check_every_graph(install: Callable[[Any, str, Any], None]) -> None:
     """From now on, every graph remat builds is checked as its plan is built: functional,
     vmap-safe and laid out as traced (remat/_trace/passes.py). `install` is monkeypatch.setattr
-    in a test, the builtin setattr in the worker processes of tests/test_differential.py."""
+    in a test, the builtin setattr in the worker processes of tests/oracles/test_differential.py."""
     from remat._api import decorator as _remat
     from remat._running import executing as _executing
     from remat._trace.passes import check_invariants, check_layouts
@@ -129,7 +147,7 @@ def _every_graph_keeps_the_invariants(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(autouse=True)
 def _traces_against_make_fx() -> Iterator[None]:
     """With REMAT_COMPARE_TRACES=1, every stage-1 and joint graph any test builds is built
-    again with make_fx and must be the same graph (tests/recording_oracle.py): the recorder
+    again with make_fx and must be the same graph (tests/support/recording_oracle.py): the recorder
     checked across the whole suite, at about twice its tracing time. A test that counts
     how often its function body runs sees each first call's body run twice."""
     if os.environ.get("REMAT_COMPARE_TRACES") != "1":
@@ -146,25 +164,25 @@ def _traces_against_make_fx() -> Iterator[None]:
 # minutes); `-m sweep` runs every sweep, `-m models` (or another marker) one of them, and
 # `--sweeps` runs everything.
 SWEEPS: dict[str, str] = {
-    "opinfo": "torch's OpInfo database under every transform (tests/test_opinfo.py)",
-    "differential": "random programs against no remat (tests/test_differential.py)",
+    "opinfo": "torch's OpInfo database under every transform (tests/oracles/test_opinfo.py)",
+    "differential": "random programs against no remat (tests/oracles/test_differential.py)",
     "models": "real models from transformers, torchvision and torch against no remat",
-    "compile": "regions under torch.compile (tests/test_compile.py)",
-    "product": "full products of policies, functions and transforms (tests/test_transforms.py, tests/test_memory_contract.py; the default run takes a cover of each)",
-    "properties": "the property test at its full example count (tests/test_properties.py)",
-    "examples": "the examples and the benchmark scripts run (tests/test_examples.py, tests/test_bench.py)",
+    "compile": "regions under torch.compile (tests/contract/test_compile.py)",
+    "product": "full products of policies, functions and transforms (tests/contract/test_transforms.py, tests/contract/test_memory_contract.py; the default run takes a cover of each)",
+    "properties": "the property test at its full example count (tests/oracles/test_properties.py)",
+    "examples": "the examples and the benchmark scripts run (tests/contract/test_examples.py, tests/contract/test_bench.py)",
 }
 
 # One case of a sweep that the default run keeps, so that it covers that sweep's promise.
 REPRESENTATIVES = frozenset({
-    "tests/test_models.py::test_backward_matches_no_remat[gpt2-eager-dots]",
-    "tests/test_models.py::test_backward_matches_no_remat[vit-nothing]",
-    "tests/test_models.py::test_resnet_block_functional_call_with_buffers_matches_no_remat[dots]",
-    "tests/test_models.py::test_mixtral_style_moe_with_data_dependent_routing_is_refused_naming_the_op",
-    "tests/test_models.py::test_default_kv_cache_is_refused_naming_the_cache_and_the_fix[llama]",
-    "tests/test_compile.py::test_compiled_values_gradients_and_random_stream_equal_no_remat[nothing]",
-    "tests/test_compile.py::test_memory_budget_under_fullgraph_is_refused_naming_policy_and_fix",
-    "tests/test_examples.py::test_quickstart_memory_goes_down_and_losses_agree",
+    "tests/oracles/test_models.py::test_backward_matches_no_remat[gpt2-eager-dots]",
+    "tests/oracles/test_models.py::test_backward_matches_no_remat[vit-nothing]",
+    "tests/oracles/test_models.py::test_resnet_block_functional_call_with_buffers_matches_no_remat[dots]",
+    "tests/oracles/test_models.py::test_mixtral_style_moe_with_data_dependent_routing_is_refused_naming_the_op",
+    "tests/oracles/test_models.py::test_default_kv_cache_is_refused_naming_the_cache_and_the_fix[llama]",
+    "tests/contract/test_compile.py::test_compiled_values_gradients_and_random_stream_equal_no_remat[nothing]",
+    "tests/contract/test_compile.py::test_memory_budget_under_fullgraph_is_refused_naming_policy_and_fix",
+    "tests/contract/test_examples.py::test_quickstart_memory_goes_down_and_losses_agree",
 })
 
 
@@ -191,6 +209,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     named = config.args_source == pytest.Config.ArgsSource.ARGS
     if named or config.getoption("markexpr") or config.getoption("--sweeps"):
         return
+    if not config.getoption("keyword"):  # a representative renamed or moved would leave the default set silently
+        collected = {item.nodeid for item in items}
+        files = {nodeid.split("::")[0] for nodeid in collected}
+        missing = sorted(  # a file skipped whole (a missing optional dependency) is not a missing test
+            r for r in REPRESENTATIVES - collected
+            if r.split("::")[0] in files or not (config.rootpath / r.split("::")[0]).exists()
+        )
+        if missing:
+            raise pytest.UsageError(f"REPRESENTATIVES in tests/conftest.py names tests that do not exist: {missing}")
     kept = [item for item in items if not item.get_closest_marker("sweep")]
     if len(kept) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("sweep")])

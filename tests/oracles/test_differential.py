@@ -1,4 +1,4 @@
-"""Random programs against the same programs without remat (tests/differential.py).
+"""Random programs against the same programs without remat (tests/support/differential.py).
 
 REMAT_DIFFERENTIAL_PROGRAMS sets how many programs run (seeds from REMAT_DIFFERENTIAL_START on,
 0 by default, so that a long survey can run in parts), in test
@@ -7,7 +7,7 @@ one per usable CPU), which check every graph as conftest does for a test (and, o
 pytest, skip the structured-trace logging it turns on in torch). Each failing program is
 saved as a standalone repro file in REMAT_REPRO_DIR
 (default: differential_repros/ under pytest's base temporary directory);
-`python tests/differential.py --shrink SEED` turns off the constructs it fails without.
+`python tests/support/differential.py --shrink SEED` turns off the constructs it fails without.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def test_random_programs_match_no_remat(
         header = (
             f"{len(failures)} of {len(results)} programs differ from the same program without remat; repro files "
             f"{differential.REPRO_NAME.format(seed='SEED')} in {repro_dir}; "
-            "`python tests/differential.py --shrink SEED` turns off the constructs a failure does not need:"
+            "`python tests/support/differential.py --shrink SEED` turns off the constructs a failure does not need:"
         )
         pytest.fail("\n".join([header, *_by_kind(failures)]), pytrace=False)
 

@@ -1,4 +1,4 @@
-"""Real architectures for tests/test_models.py: tiny, float64, random init, training mode.
+"""Real architectures for tests/oracles/test_models.py: tiny, float64, random init, training mode.
 
 Hugging Face models come from `transformers` (code nobody on this project wrote); the rest
 are written the way their well-known sources write them (torchvision's BasicBlock, timm's

@@ -1,6 +1,6 @@
 """remat on real architectures, against the same model and call without remat.
 
-Models (tests/model_zoo.py): Hugging Face Llama, GPT-2 and BERT (SDPA and eager
+Models (tests/support/model_zoo.py): Hugging Face Llama, GPT-2 and BERT (SDPA and eager
 attention), a timm-style ViT, torch's nn.TransformerEncoder (post- and pre-norm),
 two static-shape mixture-of-experts layers, and torchvision's ResNet BasicBlock. All are
 tiny, float64, random-init, in training mode with dropout on. The remat'd model is a

@@ -7,13 +7,13 @@ regions), with a random policy and one or two torch.func transforms. The oracle 
 source run without remat. Some programs run in bfloat16, or in float32 under bfloat16
 autocast, and are compared bitwise: remat promises eager's aten ops in eager's dtypes and
 order, and low precision is where another order or dtype shows. Source text, not closures, so that a failing program is saved as a
-standalone file (tests/differential_harness.py, then the program) that runs exactly what
+standalone file (tests/support/differential_harness.py, then the program) that runs exactly what
 failed.
 
-    python tests/differential.py --seed N     # the standalone file of seed N
-    python tests/differential.py --run N      # seed N's outcome
-    python tests/differential.py --shrink N   # the fewest constructs that still fail
-    python tests/differential.py --survey START COUNT   # outcomes, failures by constructs
+    python tests/support/differential.py --seed N     # the standalone file of seed N
+    python tests/support/differential.py --run N      # seed N's outcome
+    python tests/support/differential.py --shrink N   # the fewest constructs that still fail
+    python tests/support/differential.py --survey START COUNT   # outcomes, failures by constructs
 """
 
 from __future__ import annotations
@@ -558,7 +558,7 @@ class _Builder:
         self.names.append(name)
         lines.append(f"    {result.name} = remat.checkpoint_name({result.name}, {name!r})")
         self.setup += lines + [f"    return torch.tanh({result.name})", ""]
-        # a budget chooses for a whole region: one nested in another is refused (tests/test_budget.py)
+        # a budget chooses for a whole region: one nested in another is refused (tests/contract/test_budget.py)
         inner_policy = self.rng.choice([p for p in _policies(tuple(self.names), False) if "memory_budget" not in p])
         if self.on("nested_region"):
             self.setup += [f"inner = remat.remat(inner, policy={inner_policy}) if use_remat else inner"]

@@ -4,7 +4,7 @@ transform with and without remat, must give the same values and gradients.
 `run_case` returns what happened: "pass", "refused" (a RematError, which must name the
 op), "torch-cant" (the same call without remat raises: nothing to compare) or raises an
 AssertionError for a wrong result or any other error. The tests in test_opinfo.py drive it;
-`python tests/opinfo_cases.py` runs the whole sweep and prints the counts.
+`python tests/support/opinfo_cases.py` runs the whole sweep and prints the counts.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Both traces, stage 1 (the user's function) and the joint forward+backward, are recorded
 by remat's light tracer (remat/_trace/recording.py) instead of make_fx where it can be; make_fx
 is the oracle: for torch's OpInfo samples and for real models, every graph the recorder
-makes must be the graph make_fx makes (tests/recording_oracle.py), and what the recorder
+makes must be the graph make_fx makes (tests/support/recording_oracle.py), and what the recorder
 leaves to make_fx must still match no remat. Gradients through recorded graphs are
 checked everywhere else in the suite."""
 

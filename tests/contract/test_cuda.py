@@ -2,7 +2,7 @@
 
 Skipped without a GPU. The structure these kernels have (integer outputs, philox seed and
 offset tensors, a padded logsumexp) is also run on CPU-only machines, on the meta device
-(tests/test_layouts.py)."""
+(tests/contract/test_layouts.py)."""
 
 from __future__ import annotations
 

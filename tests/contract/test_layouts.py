@@ -116,7 +116,7 @@ def test_cuda_attention_kernels_structure_on_the_meta_device(kernel: str, policy
     """The CUDA kernels' schemas (integer outputs, philox seed/offset tensors, a padded
     logsumexp), run through the whole pipeline on data-free meta tensors, as CPU-only
     machines can: forward, setup_context and backward must handle every output kind.
-    Values need a GPU (tests/test_cuda.py); this checks structure: gradients' metadata."""
+    Values need a GPU (tests/contract/test_cuda.py); this checks structure: gradients' metadata."""
     if kernel == "flash dropout" and policy is None:
         pytest.skip("replaying a random op needs a real generator: on meta only the kept kernel output runs")
     attention = CUDA_ATTENTION[kernel]

@@ -1,6 +1,6 @@
 """Runs one generated program with and without remat and compares everything it observes.
 
-tests/differential.py generates the programs; this file is copied verbatim into every
+tests/support/differential.py generates the programs; this file is copied verbatim into every
 repro file it writes, so a repro runs exactly the comparison that failed. A program is a
 `make_program(use_remat)` that returns its transforms (named calls), the Python state it
 fills (hook records, side effects) and a function that undoes its global registrations.

@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.examples
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_example(name: str, *args: str) -> str:
