@@ -240,12 +240,26 @@ def render(result: dict[str, Any]) -> str:
         "**First call (trace time)** of a transformers `LlamaDecoderLayer` (hidden 256, 8 heads, seq 128, batch 2, "
         "`dots_saveable`, one thread; bench/trace_time.py's measurement, same run, "
         f"{result['trace']['repeat']} repetitions): a fresh process's first layer, a new layer after another was "
-        "traced and dropped, and a new layer while one like it is alive (it shares that layer's plan). Phases: "
+        "traced and dropped, and a new layer while one like it is alive (its modules hold what that layer's trace "
+        "read, so it takes that plan without tracing). Phases: "
         "stage 1 (`capture`), the joint forward+backward trace (`differentiate`), `partition`, and the rest "
         "(first run, layout check, splitting). \"second call\" is the next call of the same layer.",
         "",
     ]
     lines += T.render_table(result["trace"])
+    deep = T.render_deep(result["trace"])
+    if deep:
+        lines += [
+            "",
+            "**First training step of a deep model** (bench/trace_time.py, same run): a transformers `LlamaModel` of 32 "
+            "such layers under `checkpoint_layers(model.layers, dots_saveable)`, one step (forward and backward) at each "
+            "sequence length, batch 2, 3 fresh models. Per length: what the first step there costs beyond a planned step "
+            "(min of 3), what the first layer's first call there costs beyond a planned call, and their ratio (the goal: "
+            "at most 2). The last column is the ratio with like layers turned off, every layer tracing its stage-1 graph "
+            "(one model).",
+            "",
+        ]
+        lines += deep
     lines += ["", SECTION_END]
     return "\n".join(lines)
 

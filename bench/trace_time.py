@@ -11,9 +11,13 @@ The layer is the one issue 12 names: hidden 256, 8 heads, seq 128, batch 2, rand
 - a new layer's first call in a process that traced another layer, since dropped: process-
   wide warm-up and torch's fake-tensor cache are shared, the plan is not;
 - a new layer's first call while another layer like it is alive (a model's further layers):
-  it traces its stage-1 graph, finds it the same, and shares the other's plan.
+  its modules hold what the other's trace read, so it takes that plan without tracing.
 Then new sequence lengths of a layer traced at 128: the second length traces the template
-(the length symbolic), later ones are specialized from it without tracing.
+(the length symbolic), later ones are specialized from it without tracing. Then a whole
+model: the first training step of a 32-layer LlamaModel (same layer sizes) under
+`checkpoint_layers`, against its first layer's first call in that step, at the first
+sequence length and at three new ones; and the same with like layers turned off (each
+layer traces), for comparison.
 The phases are timed by wrapping remat's own stage functions (bench-only instrumentation):
 stage 1 (`capture`: the function traced on fake tensors, then its passes), the joint
 forward+backward trace (`differentiate`), the partition, and the rest (the first run with
@@ -110,7 +114,8 @@ def one_first_call(kind: str) -> dict[str, float]:
     start = time.perf_counter()
     call(region)
     total = time.perf_counter() - start
-    assert region.cache_info()["traces"] == 1
+    info = region.cache_info()
+    assert (info["traces"], info["like"]) == ((0, 1) if kind == "shared" else (1, 0)), info
     times = {p: _TIMES.get(p, 0.0) for p in PHASES}
     start = time.perf_counter()
     call(region)
@@ -151,13 +156,80 @@ def new_lengths(repeat: int) -> dict[str, list[float]]:
     return times
 
 
+def deep_model(layers: int = 32, repeat: int = 3, like_layers: bool = True) -> dict[str, dict[str, float]]:
+    """Per sequence length (128, then three new ones): seconds of a model's first training
+    step there beyond a step once planned (min of 3), and of its first layer's first call
+    there beyond a planned call; their ratio is what a step's planning costs in first-layer
+    traces. `like_layers=False`: each layer traces (bench-only switch)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaModel
+
+    import remat
+    import remat._api.decorator as decorator
+    from remat import policies as P
+
+    torch.set_num_threads(1)
+    like_plan = decorator.like_plan
+    if not like_layers:
+        decorator.like_plan = lambda *args: None
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=256 * 43 // 16, num_attention_heads=8, num_key_value_heads=8,
+        num_hidden_layers=layers, vocab_size=100, use_cache=False, attn_implementation="sdpa",
+    )
+    extra: dict[int, list[tuple[float, float]]] = {}
+    try:
+        for r in range(repeat):
+            remat.clear_cache()
+            torch.manual_seed(r)
+            model = LlamaModel(config)
+            remat.checkpoint_layers(model.layers, P.dots_saveable)
+            first = model.layers[0].forward
+            calls: list[float] = []
+
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return first(*args, **kwargs)
+                finally:
+                    calls.append(time.perf_counter() - start)
+
+            model.layers[0].forward = timed
+
+            def step(model: Any, seq: int) -> float:
+                ids = torch.randint(0, 100, (2, seq))
+                start = time.perf_counter()
+                model(ids).last_hidden_state.sum().backward()
+                return time.perf_counter() - start
+
+            for seq in (128, 120, 100 + r, 110 + r):
+                planning = step(model, seq)
+                planned = min(step(model, seq) for _ in range(3))
+                extra.setdefault(seq if seq in (128, 120) else seq - r, []).append(
+                    (planning - planned, calls[-4] - min(calls[-3:]))
+                )
+            del model
+            gc.collect()
+    finally:
+        decorator.like_plan = like_plan
+    return {
+        str(seq): {
+            "step_extra_ms": 1e3 * statistics.median(s for s, _ in runs),
+            "layer_extra_ms": 1e3 * statistics.median(f for _, f in runs),
+            "ratio_median": statistics.median(s / f for s, f in runs),
+            "ratio_max": max(s / f for s, f in runs),
+        }
+        for seq, runs in extra.items()
+    }
+
+
 def summary(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     keys = ["total", *PHASES, "rest", "second call"]
     ms = {k: [1e3 * r[k] for r in runs] for k in keys}
     return {k: {"min_ms": min(v), "median_ms": statistics.median(v)} for k, v in ms.items()}
 
 
-KINDS = {"fresh": "fresh process", "warm": "new layer, warm process", "shared": "new layer sharing a plan"}
+KINDS = {"fresh": "fresh process", "warm": "new layer, warm process", "shared": "new layer like a live one (takes its plan, no trace)"}
 
 
 def measure(repeat: int) -> dict[str, Any]:
@@ -173,7 +245,7 @@ def measure(repeat: int) -> dict[str, Any]:
     }
     return {
         "repeat": repeat, "load_average": os.getloadavg()[0], **{KINDS[k]: summary(v) for k, v in runs.items()},
-        "new lengths": lengths,
+        "new lengths": lengths, "deep model": deep_model(), "deep model, like layers off": deep_model(repeat=1, like_layers=False),
     }
 
 
@@ -198,6 +270,27 @@ def render_table(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+DEEP_LENGTHS = {"128": "first length, 128", "120": "second length, 120", "100": "third length", "110": "fourth length"}
+
+
+def render_deep(result: dict[str, Any]) -> list[str]:
+    """Markdown rows: a 32-layer model's first step at each length against its first layer's first call."""
+    on, off = result.get("deep model"), result.get("deep model, like layers off")
+    if not on:
+        return []
+    lines = [
+        "| 32-layer LlamaModel, first step at a length | step beyond a planned step, ms | first layer's first call beyond a planned call, ms | ratio, median (max) | ratio, each layer traced |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for seq, name in DEEP_LENGTHS.items():
+        row, base = on[seq], (off or {}).get(seq)
+        lines.append(
+            f"| {name} | {row['step_extra_ms']:.0f} | {row['layer_extra_ms']:.0f} | {row['ratio_median']:.2f} ({row['ratio_max']:.2f}) | "
+            + (f"{base['ratio_median']:.2f} |" if base else " |")
+        )
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
@@ -211,7 +304,7 @@ def main() -> None:
 
     result = {"torch": torch.__version__, **measure(args.repeat)}
     print(f"torch {result['torch']}, 1 thread, {args.repeat} repetitions, load average {result['load_average']:.2f}")
-    print("\n".join(render_table(result)))
+    print("\n".join(render_table(result) + [""] + render_deep(result)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -33,11 +33,13 @@ from .._partition.compiling import (
 )
 from .._partition.partitioning import partition
 from .._plans.caching import DEFAULT_CACHE_SIZE, MISSING, PlanCache, clear_cache, plan_cache
+from .._plans.like_layers import like_key, like_plan, note_reads, offer, region_module
 from .._plans.sharing import graph_signature, share_plan, shared_plan
-from .._plans.templates import Templates
+from .._plans.templates import Graphs, Templates
 from .._running.chaining import Chain, Runnable, split_at_outputs
 from .._running.executing import Plan, eager_under_vmap
 from .._trace.arguments import Call, CaptureMemo, positional_names, split_call
+from .._trace.attribute_reads import recording_reads
 from .._trace.hooks import call_hooks
 from .._trace.records import StageOne
 from .._trace.tracing import differentiate, inside_trace, nested_region
@@ -162,6 +164,7 @@ class Rematerialized:
         self._hits = 0
         self._traces = 0
         self._specialized = 0
+        self._like = 0
         for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
             if hasattr(fn, attribute):
                 setattr(self, attribute, getattr(fn, attribute))
@@ -173,10 +176,11 @@ class Rematerialized:
     def cache_info(self) -> dict[str, int]:
         """Calls of this wrapper that reused a plan, traces of its function it made, plans
         it made for a new size from a symbolic trace (`_plans/templates`: a template traced once,
-        then no trace), plans its function holds (shared with other wrappers of the same
+        then no trace), plans it took from a like module without tracing (`_plans/like_layers`),
+        plans its function holds (shared with other wrappers of the same
         function), and the bound."""
         return {
-            "hits": self._hits, "traces": self._traces, "specialized": self._specialized,
+            "hits": self._hits, "traces": self._traces, "specialized": self._specialized, "like": self._like,
             "size": len(self._plans.plans), "maxsize": self.cache_size,
         }
 
@@ -267,27 +271,45 @@ class Rematerialized:
     def _build(self, call: Call, policy: Callable[..., bool] | None, plans: PlanCache) -> tuple[Runnable | None, bool]:
         """The plan for this call, and whether the function was traced for it (not when
         a template of an earlier size served)."""
+        root = region_module(self.fn)
+        like = None if root is None else like_key(self.fn, root, call, (policy, self.static_argnums, self.static_argnames, self.debug))
+        if like is not None:
+            plan = like_plan(like, root, self.region)  # type: ignore[arg-type]
+            if plan is not None:  # a module like this one traced what this one would: no trace
+                self._like += 1
+                return plan, False
         self._traces += 1
+        reading = contextlib.nullcontext(None) if root is None else recording_reads(root)
         with fake_tensor_cache_bounded(), dispatch_modes_off():  # the caller's modes see the region run, not its trace
-            if plans.templates is None:
-                plans.templates = Templates(plans.maxsize)
-            graphs = plans.templates.graphs_for(self.fn, self.region, call, policy)
-            stage_one, joint, traced = graphs.stage_one, graphs.joint, graphs.traced
-            self._traces -= not traced
-            self._specialized += joint is not None
-            warn_unmatched_references(stage_one.scopes, stage_one.graph.graph)
-            signature = graph_signature(stage_one)
-            key = None if signature is None else (signature, self.debug, transforms_active(), nested_gradients())
-            shared = None if key is None else shared_plan(key)
-            if shared is not None:  # another region traced the same graph: reuse its partition
-                graphs.charge(shared.trace_seconds)
-                return shared.for_capture(stage_one, self.region), traced
-            plan = self._plan(stage_one, stage_one.mutated, joint)
-            trace_seconds = graphs.charge(None)
-            if key is not None and isinstance(plan, Plan):
-                plan.trace_seconds = trace_seconds
-                share_plan(key, plan)
-            return plan, traced
+            with reading as reads:
+                if plans.templates is None:
+                    plans.templates = Templates(plans.maxsize)
+                graphs = plans.templates.graphs_for(self.fn, self.region, call, policy)
+            if reads is not None:
+                note_reads(root, reads)  # type: ignore[arg-type]
+            plan, traced = self._planned(graphs)
+        if like is not None:
+            offer(like, root, plan)  # type: ignore[arg-type]
+        return plan, traced
+
+    def _planned(self, graphs: Graphs) -> tuple[Runnable | None, bool]:
+        """The plan for a call's graphs: another region's with the same graph, or a new one."""
+        stage_one, joint, traced = graphs.stage_one, graphs.joint, graphs.traced
+        self._traces -= not traced
+        self._specialized += joint is not None
+        warn_unmatched_references(stage_one.scopes, stage_one.graph.graph)
+        signature = graph_signature(stage_one)
+        key = None if signature is None else (signature, self.debug, transforms_active(), nested_gradients())
+        shared = None if key is None else shared_plan(key)
+        if shared is not None:  # another region traced the same graph: reuse its partition
+            graphs.charge(shared.trace_seconds)
+            return shared.for_capture(stage_one, self.region), traced
+        plan = self._plan(stage_one, stage_one.mutated, joint)
+        trace_seconds = graphs.charge(None)
+        if key is not None and isinstance(plan, Plan):
+            plan.trace_seconds = trace_seconds
+            share_plan(key, plan)
+        return plan, traced
 
     def _plan(self, stage_one: StageOne, updated: Sequence[int], joint: torch.fx.GraphModule | None = None) -> Runnable | None:
         """A Plan for the captured graph, or a Chain of plans where outputs feed other

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 from .._core.errors import RematRetraceWarning
 from .._core.locking import TRACE_LOCK
 from .._core.torch_internals import drop_fake_cache_entries
+from .like_layers import clear_like_layers
 from .sharing import clear_shared_plans
 
 if TYPE_CHECKING:
@@ -167,4 +168,5 @@ def clear_cache(fn: Callable[..., Any] | None = None) -> None:
             cache.clear()
         if fn is None:
             clear_shared_plans()
+            clear_like_layers()
             drop_fake_cache_entries()

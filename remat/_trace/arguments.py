@@ -72,6 +72,13 @@ class Call:
             key[index] = (len(shape), *rest)
         return tuple(key)
 
+    def key_without_settings(self) -> tuple[Any, ...]:
+        """The cache key without the values read from the closure or the modules' settings
+        (`collect_captured`'s flags): for modules compared by what their trace read instead
+        (`_plans/like_layers`)."""
+        at = 1 + len(self.static_leaves) + len(self.captured)
+        return self.key[:at] + self.key[at + 1 :]
+
     def key_labels(self) -> list[str]:
         """What each part of `key` stands for, to say what changed between traces."""
         return [

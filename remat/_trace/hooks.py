@@ -75,6 +75,11 @@ class HookSet:
             self.registrations = count  # the next call need not look again
         return now
 
+    def for_modules(self, modules: Sequence[torch.nn.Module]) -> HookSet:
+        """This check for other modules, one in place of each of this set's (a like layer's
+        modules), with the hooks they have now and the global hooks as traced."""
+        return HookSet([(weakref.ref(m), _hook_ids(m)) for m in modules], self.global_ids, self.registrations)
+
 
 def _hook_ids(module: torch.nn.Module) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(getattr(module, table)) for table in _TABLES)

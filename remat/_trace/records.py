@@ -48,6 +48,7 @@ class StageOne:
     n_hook_outputs: int = 0  # the last of the n_outputs: what module hooks are given (`hooks`)
     hook_calls: list[HookCall] = field(default_factory=list)
     hooks: HookSet | None = None  # the hooks of the modules the trace called
+    changes_state: bool = False  # the trace changed an object the function reaches (warned)
     fills_like: bool = False  # a random fill of a tensor made like another (see _running/executing.eager_under_vmap)
 
     def graph_inputs(self, call: Call) -> list[torch.Tensor]:

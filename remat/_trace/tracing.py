@@ -375,7 +375,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         finally:
             draws.restore()
         _refuse_stand_ins(fn_name, roots, out_info["static"], hooks.calls)
-        _warn_changes(fn_name, fn, before)
+        changes = before.changed()
+        _warn_changes(fn_name, fn, changes)
     _reject_data_dependent_ops(gm, fn_name)
     _grad_free_writes_as_values_with_grad(gm, fn_name, [f.requires_grad for f in fakes])
     _number_random_ops(gm)
@@ -406,6 +407,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         input_values=[n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"],
         fills_like=any(n.meta.get("custom", {}).get(FILL_LIKE_KEY) for n in gm.graph.nodes),
         reads_storage_offsets=_reads_storage_offsets(gm),
+        changes_state=bool(changes),
     )
 
 
@@ -465,11 +467,11 @@ def _refuse_stand_ins(fn_name: str, roots: list[tuple[str, Any]], out_static: li
 _WARNED_CHANGES: set[tuple[Any, str]] = set()  # (the region's code, or name, and what changed)
 
 
-def _warn_changes(fn_name: str, fn: Callable[..., Any], before: Snapshot) -> None:
+def _warn_changes(fn_name: str, fn: Callable[..., Any], changes: list[str]) -> None:
     """Warn, once per region and object, that the function changed an object it reaches
     while traced: the change happens once per trace, not once per call."""
     code = _code_of(fn)
-    for change in before.changed():
+    for change in changes:
         key = (fn_name if code is None else code, change)
         if key in _WARNED_CHANGES:
             continue

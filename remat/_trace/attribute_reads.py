@@ -1,0 +1,167 @@
+"""What a module region's Python reads of its modules while it is traced.
+
+A model's layers are one class with other parameters; what can make one layer trace another
+graph than the layer before is what its forward reads of its modules' instance attributes
+(`self.sliding_window`, `self.training`, a hook table), since the class, the code and the
+globals are the same. While stage 1 runs, each module of the region is given a subclass
+that notes every attribute read: the value found in the instance (or that there was none,
+so the class's was used). A module like the traced one, with the same values at the same
+places, would trace the same graph (`_plans/like_layers`).
+
+What cannot be vouched for makes the trace unshareable: assigning an attribute during the
+forward, or reading `__dict__` (or `vars()`) outside torch's own module code.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+ABSENT = ("absent",)  # the instance has no such attribute: the class's is read
+_MAX_DEPTH = 4
+_ATOMS = (bool, int, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_TORCH_MODULE_FILE = os.path.normcase(torch.nn.modules.module.__file__)
+_REMAT_DIR = os.path.normcase(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class AttributeReads:
+    """What one trace read: (module path, attribute) -> the value's form (`value_form`)."""
+
+    forms: dict[tuple[str, str], Any] = field(default_factory=dict)
+    kept: list[Any] = field(default_factory=list)  # objects compared by identity, kept alive
+    unshareable: str | None = None  # why another module cannot use this trace
+
+
+def tree_places(root: torch.nn.Module) -> tuple[dict[str, torch.nn.Module], dict[int, tuple[str, str]]]:
+    """The region's modules by path, and each module's, parameter's and buffer's place."""
+    modules = dict(root.named_modules())
+    places: dict[int, tuple[str, str]] = {}
+    for path, module in modules.items():
+        places.setdefault(id(module), ("module", path))
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    places.setdefault(id(tensor), ("tensor", f"{path}.{name}"))
+    return modules, places
+
+
+def value_form(value: Any, places: dict[int, tuple[str, str]], kept: list[Any], depth: int = 0) -> Any:
+    """A comparable form of a read value: numbers and strings by value, the region's own
+    modules and tensors by their place in it, containers item by item, anything else by
+    identity (kept alive in `kept`, so an id is not reused)."""
+    place = places.get(id(value))
+    if place is not None:
+        return place
+    if isinstance(value, float):
+        return (float, repr(value))  # repr: -0.0 and 0.0 differ, nan equals nan
+    if isinstance(value, _ATOMS):
+        return (type(value), value)
+    if depth < _MAX_DEPTH and type(value) in (list, tuple):
+        return (type(value), tuple(value_form(v, places, kept, depth + 1) for v in value))
+    if depth < _MAX_DEPTH and type(value) in (dict, collections.OrderedDict):
+        return (type(value), tuple((value_form(k, places, kept, depth + 1), value_form(v, places, kept, depth + 1)) for k, v in value.items()))
+    kept.append(value)
+    return ("object", id(value))
+
+
+def form_now(module: torch.nn.Module, name: str, places: dict[int, tuple[str, str]], kept: list[Any]) -> Any:
+    """The form of what reading `module.name` finds in the instance now."""
+    instance = object.__getattribute__(module, "__dict__")
+    return value_form(instance[name], places, kept) if name in instance else ABSENT
+
+
+class _Recorder:
+    def __init__(self, places: dict[int, tuple[str, str]]) -> None:
+        self.places = places
+        self.thread = threading.get_ident()
+        self.by_id: dict[tuple[int, str], Any] = {}
+        self.kept: list[Any] = []
+        self.unshareable: str | None = None
+
+    def read(self, module: torch.nn.Module, name: str) -> None:
+        key = (id(module), name)
+        if key in self.by_id or threading.get_ident() != self.thread:
+            return
+        if name == "__dict__":
+            caller = os.path.normcase(sys._getframe(2).f_code.co_filename)
+            if caller != _TORCH_MODULE_FILE and not caller.startswith(_REMAT_DIR):
+                self.unshareable = f"`{type(module).__name__}` code reads its `__dict__`"
+            return
+        if name.startswith("__") and name.endswith("__"):
+            return
+        self.by_id[key] = form_now(module, name, self.places, self.kept)
+
+    def write(self, module: torch.nn.Module, name: str) -> None:
+        if threading.get_ident() == self.thread:
+            self.unshareable = f"`{type(module).__name__}.forward` assigns `self.{name}`"
+
+
+_ACTIVE: list[_Recorder] = []  # the recorder of the trace under way (traces hold one lock)
+_SUBCLASSES: dict[type, type] = {}
+
+
+def _recording_subclass(cls: type) -> type:
+    """`cls` with attribute reads and writes reported to the active recorder, named as it is."""
+    sub = _SUBCLASSES.get(cls)
+    if sub is not None:
+        return sub
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        if _ACTIVE:
+            _ACTIVE[-1].read(self, name)
+        return cls.__getattribute__(self, name)  # type: ignore[arg-type]
+
+    def __setattr__(self: Any, name: str, value: Any) -> None:
+        if _ACTIVE:
+            _ACTIVE[-1].write(self, name)
+        cls.__setattr__(self, name, value)
+
+    def __delattr__(self: Any, name: str) -> None:
+        if _ACTIVE:
+            _ACTIVE[-1].write(self, name)
+        cls.__delattr__(self, name)
+
+    sub = type(cls.__name__, (cls,), {
+        "__getattribute__": __getattribute__, "__setattr__": __setattr__, "__delattr__": __delattr__,
+        "__module__": cls.__module__, "__qualname__": cls.__qualname__, "_remat_recording_of": cls,
+    })
+    _SUBCLASSES[cls] = sub
+    return sub
+
+
+@contextlib.contextmanager
+def recording_reads(root: torch.nn.Module) -> Iterator[AttributeReads]:
+    """Within (one trace, under the trace lock): every attribute read of a module of `root`
+    is noted; on exit the reads are in the yielded record, by module path."""
+    modules, places = tree_places(root)
+    reads = AttributeReads()
+    recorder = _Recorder(places)
+    swapped: list[tuple[torch.nn.Module, type]] = []
+    try:
+        for module in modules.values():
+            cls = type(module)
+            try:
+                object.__setattr__(module, "__class__", _recording_subclass(cls))
+            except TypeError as error:  # __slots__ or a class that cannot be subclassed
+                reads.unshareable = f"`{cls.__name__}` cannot be watched ({error})"
+                break
+            swapped.append((module, cls))
+        _ACTIVE.append(recorder)
+        yield reads
+    finally:
+        if _ACTIVE and _ACTIVE[-1] is recorder:
+            _ACTIVE.pop()
+        for module, cls in reversed(swapped):
+            object.__setattr__(module, "__class__", cls)
+        paths = {id(module): path for path, module in modules.items()}
+        reads.forms = {(paths[i], name): form for (i, name), form in recorder.by_id.items() if i in paths}
+        reads.kept = recorder.kept
+        reads.unshareable = reads.unshareable or recorder.unshareable
