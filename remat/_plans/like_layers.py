@@ -62,7 +62,7 @@ def like_key(fn: Callable[..., Any], root: torch.nn.Module, call: Call, settings
     code = fn.__func__ if inspect.ismethod(fn) else type(fn)
     structure = tuple((path, type(module)) for path, module in root.named_modules())
     return (
-        code, structure, tuple(call.captured_paths), call.key_without_settings(), settings, transforms_active(),
+        code, structure, tuple(call.captured_paths), call.key_without_own_settings(), settings, transforms_active(),
         nested_gradients(),
     )
 

@@ -72,12 +72,13 @@ class Call:
             key[index] = (len(shape), *rest)
         return tuple(key)
 
-    def key_without_settings(self) -> tuple[Any, ...]:
-        """The cache key without the values read from the closure or the modules' settings
-        (`collect_captured`'s flags): for modules compared by what their trace read instead
-        (`_plans/like_layers`)."""
+    def key_without_own_settings(self) -> tuple[Any, ...]:
+        """The cache key without the settings of the region's own modules (`collect_captured`'s
+        flags under "self"), which like modules compare by what their trace read instead
+        (`_plans/like_layers`); values read from the closure or globals stay."""
         at = 1 + len(self.static_leaves) + len(self.captured)
-        return self.key[:at] + self.key[at + 1 :]
+        flags = tuple(f for f in self.key[at] if not (len(f) == 4 and f[0] == "self"))
+        return (*self.key[:at], flags, *self.key[at + 1 :])
 
     def key_labels(self) -> list[str]:
         """What each part of `key` stands for, to say what changed between traces."""
@@ -508,7 +509,7 @@ def collect_captured(fn: Callable[..., Any]) -> Collected:
             is_plain = _IS_PLAIN
             for sub_name, sub in value.named_modules():
                 settings = [(k, v) for k, v in vars(sub).items() if k[0] != "_" and is_plain[type(v)]]
-                flags.append((sub_name, type(sub), tuple(settings)))
+                flags.append((path, sub_name, type(sub), tuple(settings)))
                 prefix = f"{path}.{sub_name}" if sub_name else path
                 for table in (sub._parameters, sub._buffers):
                     for name, tensor in table.items():

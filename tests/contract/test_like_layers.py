@@ -198,6 +198,34 @@ def test_a_changed_setting_finds_its_own_like() -> None:
     assert [(layer.forward.cache_info()["traces"], layer.forward.cache_info()["like"]) for layer in layers] == [(2, 0), (0, 2), (0, 2)]
 
 
+FACTOR = 2.0
+
+
+class Global(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8, dtype=D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * FACTOR  # a global the trace freezes: in the key, never compared away
+
+
+def test_a_changed_global_is_not_taken_from_a_like_layer() -> None:
+    global FACTOR
+    torch.manual_seed(0)
+    first, second = Global(), Global()
+    x = torch.randn(3, 8, dtype=D, requires_grad=True)
+    region = remat.remat(first.forward, policy=P.dots_saveable)  # as checkpoint_layers wraps a layer
+    region(x).sum().backward()
+    FACTOR = 3.0
+    try:
+        other = remat.remat(second.forward, policy=P.dots_saveable)
+        assert torch.equal(other(x), second(x))
+        assert other.cache_info()["like"] == 0
+    finally:
+        FACTOR = 2.0
+
+
 def test_a_new_length_is_planned_once_for_all_like_layers() -> None:
     class Mixing(torch.nn.Module):
         def __init__(self) -> None:
