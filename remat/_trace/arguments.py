@@ -340,6 +340,16 @@ def _roots(fn: types.FunctionType) -> tuple[Any, ...] | None:
     return (code, namespace, *contents, *[namespace.get(name, _ABSENT) for name in _names_of(code).globals])
 
 
+def _forward_globals(module: torch.nn.Module) -> tuple[dict[str, Any], tuple[str, ...]] | None:
+    """The globals namespace of a module's own forward (the user's code, not a library's)
+    and the global names it reads: a region of the module itself keys on their values,
+    as a region of the bound forward does."""
+    forward = getattr(type(module), "forward", None)
+    if not isinstance(forward, types.FunctionType) or is_installed_code(forward.__code__):
+        return None
+    return forward.__globals__, _names_of(forward.__code__).globals
+
+
 def _walked_into(value: Any) -> bool:
     """Whether collect_captured looks inside `value` (see its visit)."""
     if isinstance(value, types.FunctionType):
@@ -349,16 +359,20 @@ def _walked_into(value: Any) -> bool:
 
 class ModuleSnapshot:
     """What a walk of a module reads, kept to tell cheaply whether a new walk would find the
-    same: its submodules (in `modules()` order), their types and `__dict__`s, those dicts'
-    keys and public values (settings, compared by value, as the cache key compares them),
+    same: the globals the module's forward reads (by identity), its submodules (in
+    `modules()` order), their types and `__dict__`s, those dicts' keys and public values (settings, compared by value, as the cache key compares them),
     and the keys and objects of their parameter, buffer and submodule tables (compared by
     identity: a stand-in a trace puts in a table, or a replaced parameter, differs). Each
     comparison runs over every submodule at once, in C."""
 
-    __slots__ = ("module", "subs", "types", "dicts", "keys", "readers", "values", "tables", "table_keys", "objects")
+    __slots__ = (
+        "module", "subs", "types", "dicts", "keys", "readers", "values", "tables", "table_keys", "objects", "globals", "global_values",
+    )
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
+        self.globals = _forward_globals(module)
+        self.global_values = self._global_values()
         self.subs = list(module.modules())
         self.types = list(map(type, self.subs))
         self.dicts = list(map(vars, self.subs))
@@ -369,7 +383,15 @@ class ModuleSnapshot:
         self.table_keys = list(map(tuple, self.tables))
         self.objects = list(itertools.chain.from_iterable(map(dict.values, self.tables)))
 
+    def _global_values(self) -> list[Any]:
+        if self.globals is None:
+            return []
+        namespace, names = self.globals
+        return [namespace.get(name, _ABSENT) for name in names]
+
     def unchanged(self) -> bool:
+        if self.globals is not None and not all(map(operator.is_, self._global_values(), self.global_values)):
+            return False
         dicts = list(map(vars, self.subs))
         if list(map(type, self.subs)) != self.types or not all(map(operator.is_, dicts, self.dicts)):
             return False
@@ -518,6 +540,13 @@ def collect_captured(fn: Callable[..., Any]) -> Collected:
                             found.append(tensor)
                             paths.append(f"{prefix}.{name}")
                             setters.append(_item_setter(table, name))
+            reads = _forward_globals(value) if depth == 0 else None
+            if reads is not None:  # remat(module): its forward's globals are frozen by the trace too
+                namespace, names = reads
+                for name in names:
+                    read = namespace.get(name, _ABSENT)
+                    if read is not _ABSENT and is_plain[type(read)]:
+                        flags.append((name, read))
         elif isinstance(value, (list, dict)):
             items = enumerate(value) if isinstance(value, list) else value.items()
             for k, item in items:

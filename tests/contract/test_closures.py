@@ -177,3 +177,33 @@ def test_functional_call_over_a_rematerialized_module() -> None:
     assert_close(objective(wrapped), objective(reference))
     wrapped.eval()
     assert not model.training and not wrapped.training
+
+
+GLOBAL_FACTOR = 2.0
+
+
+class _ReadsAGlobal(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4, dtype=D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * GLOBAL_FACTOR
+
+
+@pytest.mark.parametrize("wrap", ["module", "forward"])
+def test_a_number_a_module_s_forward_reads_from_its_globals_is_keyed(wrap: str) -> None:
+    global GLOBAL_FACTOR
+    torch.manual_seed(0)
+    module = _ReadsAGlobal()
+    f = remat(module if wrap == "module" else module.forward, policy=P.nothing_saveable)
+    x = torch.randn(2, 4, dtype=D, requires_grad=True)
+    try:
+        for factor in (2.0, 3.0, 2.0):
+            GLOBAL_FACTOR = factor
+            got, expected = f(x), module(x)
+            assert torch.equal(got, expected)
+            assert_close(torch.autograd.grad(got.sum(), x), torch.autograd.grad(expected.sum(), x))
+    finally:
+        GLOBAL_FACTOR = 2.0
+    assert f.cache_info()["traces"] == 2 and f.cache_info()["hits"] == 1
