@@ -360,9 +360,10 @@ def _walked_into(value: Any) -> bool:
 class ModuleSnapshot:
     """What a walk of a module reads, kept to tell cheaply whether a new walk would find the
     same: the globals the module's forward reads (by identity), its submodules (in
-    `modules()` order), their types and `__dict__`s, those dicts' keys and public values (settings, compared by value, as the cache key compares them),
-    and the keys and objects of their parameter, buffer and submodule tables (compared by
-    identity: a stand-in a trace puts in a table, or a replaced parameter, differs). Each
+    `modules()` order), their types and `__dict__`s, those dicts' keys and public values
+    (settings, compared by value, as the cache key compares them), and the keys and objects
+    of their parameter, buffer and submodule tables (compared by identity: a stand-in a
+    trace puts in a table, or a replaced parameter, differs). Each
     comparison runs over every submodule at once, in C."""
 
     __slots__ = (
