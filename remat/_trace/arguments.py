@@ -286,7 +286,8 @@ class _Substitutions:
     functions find their captured tensors (only ever under TRACE_LOCK): odd while one is in
     progress, and changed if one happened in between two reads."""
 
-    count = 0
+    def __init__(self) -> None:
+        self.count = 0
 
 
 _SUBSTITUTING = _Substitutions()
@@ -361,13 +362,15 @@ class ModuleSnapshot:
     """What a walk of a module reads, kept to tell cheaply whether a new walk would find the
     same: the globals the module's forward reads (by identity), its submodules (in
     `modules()` order), their types and `__dict__`s, those dicts' keys and public values
-    (settings, compared by value, as the cache key compares them), and the keys and objects
-    of their parameter, buffer and submodule tables (compared by identity: a stand-in a
-    trace puts in a table, or a replaced parameter, differs). Each
-    comparison runs over every submodule at once, in C."""
+    (settings, compared by value, as the cache key compares them), the tensors kept as
+    plain attributes (by identity), and the keys and objects of their parameter, buffer
+    and submodule tables (compared by identity: a stand-in a trace puts in a table, or a
+    replaced parameter, differs). Each comparison runs over every submodule at once, in C;
+    when every attribute is the same object, the by-value comparisons are skipped."""
 
     __slots__ = (
-        "module", "subs", "types", "dicts", "keys", "readers", "values", "tables", "table_keys", "objects", "globals", "global_values",
+        "module", "subs", "types", "dicts", "keys", "watchers", "watched", "readers", "values", "tensors", "tables",
+        "table_keys", "objects", "globals", "global_values",
     )
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -378,6 +381,9 @@ class ModuleSnapshot:
         self.types = list(map(type, self.subs))
         self.dicts = list(map(vars, self.subs))
         self.keys = list(map(tuple, self.dicts))
+        self.watchers = [_reader(tuple(k for k in d if k not in _MODULE_INTERNALS)) for d in self.dicts]
+        self.watched = list(itertools.chain.from_iterable(map(operator.call, self.watchers, self.dicts)))
+        self.tensors = _tensor_attributes(self.dicts)
         self.readers = [_reader(tuple(k for k in d if k[0] != "_")) for d in self.dicts]
         self.values = list(map(operator.call, self.readers, self.dicts))
         self.tables = list(itertools.chain.from_iterable(map(_TABLES, self.dicts)))
@@ -398,11 +404,16 @@ class ModuleSnapshot:
             return False
         if list(map(tuple, dicts)) != self.keys:
             return False
-        try:
-            if list(map(operator.call, self.readers, dicts)) != self.values:
+        watched = itertools.chain.from_iterable(map(operator.call, self.watchers, dicts))
+        if not all(map(operator.is_, watched, self.watched)):  # the keys are the same: so is the count
+            try:
+                if list(map(operator.call, self.readers, dicts)) != self.values:
+                    return False
+            except Exception:  # a value whose comparison raises (a tensor attribute): walk again
                 return False
-        except Exception:  # a value whose comparison raises (a tensor attribute): walk again
-            return False
+            names, tensors = _tensor_attributes(dicts)
+            if names != self.tensors[0] or not all(map(operator.is_, tensors, self.tensors[1])):
+                return False
         tables = list(itertools.chain.from_iterable(map(_TABLES, dicts)))
         if not all(map(operator.is_, tables, self.tables)) or list(map(tuple, tables)) != self.table_keys:
             return False
@@ -413,10 +424,26 @@ class ModuleSnapshot:
 _TABLES = operator.itemgetter("_parameters", "_buffers", "_modules")
 
 
-def _reader(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], Any]:
-    """Reads the values under `keys` from a dict, as a tuple (a single value for one key)."""
+def _tensor_attributes(dicts: list[dict[str, Any]]) -> tuple[list[str], list[torch.Tensor]]:
+    """The names and objects of the tensors kept as plain attributes (outside the tables),
+    which the walk collects as inputs, in order."""
+    pairs = [(k, v) for d in dicts for k, v in d.items() if isinstance(v, torch.Tensor) and k not in _MODULE_INTERNALS]
+    return [k for k, _ in pairs], [v for _, v in pairs]
+
+
+# What every nn.Module's __init__ puts in its __dict__ (hook tables, the parameter, buffer
+# and submodule tables), `training` aside: what a walk reads of a module besides those
+# tables is the rest (settings, and tensors kept as plain attributes).
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+
+
+def _reader(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """Reads the values under `keys` from a dict, as a tuple."""
     if not keys:
         return lambda d: ()
+    if len(keys) == 1:
+        key = keys[0]
+        return lambda d: (d[key],)
     return operator.itemgetter(*keys)
 
 
@@ -541,6 +568,12 @@ def collect_captured(fn: Callable[..., Any]) -> Collected:
                             found.append(tensor)
                             paths.append(f"{prefix}.{name}")
                             setters.append(_item_setter(table, name))
+                for name, attribute in vars(sub).items():  # a tensor kept as a plain attribute is read too
+                    if isinstance(attribute, torch.Tensor) and name not in _MODULE_INTERNALS and id(attribute) not in seen:
+                        seen.add(id(attribute))
+                        found.append(attribute)
+                        paths.append(f"{prefix}.{name}")
+                        setters.append(_item_setter(vars(sub), name))
             reads = _forward_globals(value) if depth == 0 else None
             if reads is not None:  # remat(module): its forward's globals are frozen by the trace too
                 namespace, names = reads

@@ -413,9 +413,10 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
 
 @dataclass
 class _GraphInputs:
-    """The stage-1 graph's inputs beyond the call's tensors, gathered while they are made
-    inputs: which captured tensors (indices into Call.captured), which tensors held by
-    reference, and every input's path and whether it needs grad."""
+    """The stage-1 graph's inputs, gathered while they are made: the call's tensors come
+    first; then the captured tensors the graph uses (`lifted`, indices into Call.captured)
+    and the constants it reads that it holds by reference; for every input, its path and
+    whether it needs grad."""
 
     lifted: list[int]
     by_reference: list[torch.Tensor]

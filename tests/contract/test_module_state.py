@@ -1,6 +1,6 @@
 """A module region reads its module afresh on every call: what changes between calls (a
-parameter replaced, a buffer, a setting, a submodule, the training flag, a tensor
-attribute) changes the result as it does without remat. Each case against the same module
+parameter replaced, a buffer, a setting, a submodule, the training flag, a tensor kept
+as a plain attribute) changes the result as it does without remat. Each case against the same module
 run without remat, values and every gradient (float64). remat skips re-walking a module
 whose state is unchanged, so these are the cases that walk must not miss."""
 
@@ -83,6 +83,41 @@ def _unregistered_tensor_attribute(m: torch.nn.Sequential) -> None:
     m[2].scale = torch.tensor([3.0], dtype=D)  # a plain attribute: walked past, compared without error
 
 
+class _Scaled(torch.nn.Module):
+    """Reads tensors kept as plain attributes (not registered buffers), public and private,
+    one of them unset (None) at first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.full((2,), 2.0, dtype=D)
+        self._shift = torch.full((2,), 0.5, dtype=D)
+        self._extra: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x * self.scale + self._shift
+        return out if self._extra is None else out * self._extra
+
+
+def _add_module_reading_tensor_attributes(m: torch.nn.Sequential) -> None:
+    m.append(_Scaled())
+
+
+def _rebind_private_tensor_attribute(m: torch.nn.Sequential) -> None:
+    m[-1]._shift = torch.full((2,), -3.0, dtype=D)
+
+
+def _rebind_public_tensor_attribute_to_an_equal_one(m: torch.nn.Sequential) -> None:
+    m[-1].scale = m[-1].scale.clone()  # equal values, another object: the next change is to it alone
+
+
+def _fill_tensor_attribute_in_place(m: torch.nn.Sequential) -> None:
+    m[-1].scale.fill_(-1.5)
+
+
+def _set_tensor_attribute_that_was_none(m: torch.nn.Sequential) -> None:
+    m[-1]._extra = torch.full((2,), 4.0, dtype=D)
+
+
 def _eval(m: torch.nn.Sequential) -> None:
     m.eval()
 
@@ -96,6 +131,11 @@ CHANGES: dict[str, list[Callable[[torch.nn.Sequential], None]]] = {
     "rename_parameter": [_rename_parameter],
     "add_then_replace_buffer": [_add_buffer_read_by_forward, _replace_buffer],
     "tensor_attribute": [_unregistered_tensor_attribute],
+    "tensor_attributes_read_by_forward": [
+        _add_module_reading_tensor_attributes, _rebind_private_tensor_attribute,
+        _rebind_public_tensor_attribute_to_an_equal_one, _fill_tensor_attribute_in_place,
+        _set_tensor_attribute_that_was_none,
+    ],
     "eval": [_eval],
 }
 
