@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import sysconfig
 import types
 
@@ -31,3 +32,14 @@ def is_machinery_file(filename: str) -> bool:
 def is_installed_code(code: types.CodeType) -> bool:
     """Code of an installed package or of the standard library, which holds no user tensors."""
     return code.co_filename.startswith(_INSTALLED)
+
+
+@functools.lru_cache(maxsize=1024)
+def is_user_class(cls: type) -> bool:
+    """A class defined in the user's code (a script, `__main__`, the user's package), whose
+    instances may hold the user's tensors as attributes; not a builtin, not a library's."""
+    if cls.__module__ == "builtins":
+        return False
+    module = sys.modules.get(cls.__module__)
+    filename = getattr(module, "__file__", None)
+    return filename is None or not filename.startswith(_INSTALLED)

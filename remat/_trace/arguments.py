@@ -24,7 +24,7 @@ import torch
 
 from .._core.errors import RematError, RematStateWarning
 from .._core.locking import TRACE_LOCK
-from .._core.sources import is_installed_code
+from .._core.sources import is_installed_code, is_user_class
 from .._core.torch_internals import autocast_state, nested_gradients, transform_levels, transforms_active
 
 
@@ -355,7 +355,14 @@ def _walked_into(value: Any) -> bool:
     """Whether collect_captured looks inside `value` (see its visit)."""
     if isinstance(value, types.FunctionType):
         return not is_installed_code(value.__code__)
-    return isinstance(value, (torch.nn.Module, list, dict, tuple, functools.partial, types.MethodType))
+    return isinstance(value, (torch.nn.Module, list, dict, tuple, functools.partial, types.MethodType)) or _is_user_object(value)
+
+
+def _is_user_object(value: Any) -> bool:
+    """An instance of a class of the user's code with a `__dict__` (not a class or function):
+    the walk reads its attributes, where the user may keep tensors."""
+    cls = type(value)
+    return hasattr(value, "__dict__") and not isinstance(value, type) and cls.__module__ != "builtins" and is_user_class(cls)
 
 
 class ModuleSnapshot:
@@ -597,6 +604,10 @@ def collect_captured(fn: Callable[..., Any]) -> Collected:
             visit(value.__func__, path, None, depth + 1)
         elif isinstance(value, _PLAIN):
             flags.append((path, value))  # a number or string read from a closure is traced in
+        elif _is_user_object(value):  # an object of the user's class: its attributes, as a dict's items
+            attributes = vars(value)
+            for k, item in attributes.items():
+                visit(item, f"{path}.{k}", _item_setter(attributes, k), depth + 1)
 
     visit(fn, "self" if isinstance(fn, torch.nn.Module) else "", None, 0)
     return found, paths, setters, tuple(flags)

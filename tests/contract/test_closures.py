@@ -124,11 +124,43 @@ HOLDER = _Holder()
 
 
 def test_a_tensor_behind_an_arbitrary_object_under_a_transform_is_an_error() -> None:
-    """remat looks through closures, globals, containers and modules, not any object's
-    attributes; under a transform it cannot tell whether such a tensor is differentiated."""
+    """remat looks through closures, globals, containers, modules and the attributes of
+    instances of the user's classes, not class attributes; under a transform it cannot tell
+    whether such a tensor is differentiated."""
     x = torch.randn(3, 4, dtype=D)
     with pytest.raises(RematTraceError, match="Pass it as an argument"):
         grad(lambda x: remat(lambda x: torch.tanh(x @ HOLDER.weight))(x).sum())(x)
+
+
+class _Settings:
+    def __init__(self) -> None:
+        self.scale = torch.full((4,), 2.0, dtype=D)
+
+
+def test_a_tensor_an_instance_of_the_user_s_class_holds_is_read_on_every_call() -> None:
+    """An attribute rebound between calls is seen (no retrace: a new input of the same
+    signature), one that requires grad gets its gradient, and one an enclosing grad
+    differentiates is differentiated, each as without remat."""
+    settings = _Settings()
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * settings.scale).sum()
+
+    region = remat(f)
+    x = torch.randn(3, 4, dtype=D, requires_grad=True)
+    assert_close(region(x), f(x))
+    settings.scale = torch.full((4,), 3.0, dtype=D)
+    assert_close(torch.autograd.grad(region(x), x), torch.autograd.grad(f(x), x))
+    assert region.cache_info()["traces"] == 1
+    settings.scale = torch.full((4,), -0.5, dtype=D, requires_grad=True)
+    assert_close(torch.autograd.grad(region(x), (x, settings.scale)), torch.autograd.grad(f(x), (x, settings.scale)))
+
+    def through(scale: torch.Tensor) -> torch.Tensor:
+        settings.scale = scale
+        return region(x.detach())
+
+    expected = grad(lambda s: f(x.detach()) if setattr(settings, "scale", s) is None else None)(torch.ones(4, dtype=D))
+    assert_close(grad(through)(torch.ones(4, dtype=D)), expected)
 
 
 def test_a_rebound_global_is_seen_on_the_next_call() -> None:
