@@ -8,9 +8,12 @@ Rows (the blocks are bench_remat.py's GPT block with SDPA attention):
               for backward.
   lengths     a training loop over a list of sequence lengths: total time, remat traces and
               dynamo compiles, eager and compiled.
-  overhead    per-call cost of a cache hit on a tiny function (bench/overhead.py).
+  overhead    per-call cost of a cache hit on a tiny function, on a 13-module Sequential as a
+              module region and as a function region, and on a Llama layer (bench/overhead.py).
   trace       first-call time of a transformers LlamaDecoderLayer and its phases
               (bench/trace_time.py).
+  budget      memory_budget(f) against torch.compile's activation_memory_budget (runs
+              bench/budget_vs_torch.py's measurement and writes its section too).
 
     python bench/bench_compile.py --threads 1 --markdown bench/RESULTS.md
 
@@ -40,6 +43,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import bench_remat as B  # noqa: E402
+import budget_vs_torch as BT  # noqa: E402
 import overhead as O  # noqa: E402
 import trace_time as T  # noqa: E402
 
@@ -230,6 +234,16 @@ def render(result: dict[str, Any]) -> str:
     lines.append(f"| remat dots_saveable, `dynamic=True` (eager model) | {dynamic['total_s']:.2f} | {dynamic['dynamo_graphs']} graphs |  |  |")
     lines += ["", "**Per-call overhead of a cache hit** (bench/overhead.py's measurement, same run):", ""]
     lines += O.render_table(result["overhead"])
+    tiny = result["overhead"]
+    function_ratio = tiny["overhead (remat None)"]["min_us"] / tiny["overhead (hand-written Function)"]["min_us"]
+    lines += ["", f"A function region's overhead is {function_ratio:.2f}x a hand-written autograd.Function's (min; goal at most 1.3x)."]
+    if "overhead_module" in result:
+        module = result["overhead_module"]
+        gap = module["module - function"]
+        lines += ["", "A module region against a function region over the same computation: a 13-module `nn.Sequential` "
+                  "(seven Linear(8, 8), tanh between), its 14 parameters passed as arguments to the function "
+                  f"(module - function: min {gap['min_us']:.1f} µs, median {gap['median_us']:.1f} µs; goal: within 15 µs):", ""]
+        lines += O.render_table(module, title="13-module Sequential, forward + backward")
     if "overhead_layer" in result:
         layer = ", ".join(f"{k} {v}" for k, v in O.LAYER.items())
         lines += ["", f"The same on a transformers `LlamaDecoderLayer` ({layer}; `everything_saveable` recomputes "
@@ -290,16 +304,25 @@ def main(argv: list[str] | None = None) -> int:
         "compile": measure_compile(device, args.clock, args.repeats),
         "lengths": measure_lengths(device, lengths),
         "overhead": O.measure_tiny(rounds=7, calls=500),
+        "overhead_module": O.measure_module(rounds=7, calls=300),
         "overhead_layer": O.measure_layer(rounds=15, calls=50),
         "trace": T.measure(repeat=5),
     }
+    budget_started = time.perf_counter()
+    budget: dict[str, Any] = {"by": "`bench/bench_compile.py`, in the same run as the overhead and first-call rows",
+                              "torch": torch.__version__, "git": result["git"], "threads": result["threads"],
+                              "measure": BT.measure(device, BT.SIZE, BT.FRACTIONS)}
+    budget["elapsed_s"] = time.perf_counter() - budget_started
     load.append(os.getloadavg()[0])
     result["load"], result["elapsed_s"] = load, time.perf_counter() - started
     out = args.out or HERE / f"results-compile-{device.type}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
-    B.log(f"wrote {out}")
+    budget_out = HERE / f"results-budget-{device.type}.json"
+    budget_out.write_text(json.dumps(budget, indent=1) + "\n")
+    B.log(f"wrote {out} and {budget_out}")
     if args.markdown:
         replace_section(args.markdown, render(result))
+        B.replace_section(args.markdown, BT.render(budget), (BT.SECTION_START, BT.SECTION_END))
         B.log(f"wrote {args.markdown}")
     return 0
 

@@ -368,16 +368,18 @@ def _is_user_object(value: Any) -> bool:
 class ModuleSnapshot:
     """What a walk of a module reads, kept to tell cheaply whether a new walk would find the
     same: the globals the module's forward reads (by identity), its submodules (in
-    `modules()` order), their types and `__dict__`s, those dicts' keys and public values
-    (settings, compared by value, as the cache key compares them), the tensors kept as
-    plain attributes (by identity), and the keys and objects of their parameter, buffer
-    and submodule tables (compared by identity: a stand-in a trace puts in a table, or a
-    replaced parameter, differs). Each comparison runs over every submodule at once, in C;
+    `modules()` order), their types and `__dict__`s, those dicts' sizes and the values
+    under every name but nn.Module's own (public ones are settings, compared by value, as
+    the cache key compares them), the tensors kept as
+    plain attributes (by identity), and the names and objects of their parameter, buffer
+    and submodule tables (the same count, and the same object under each name: a stand-in
+    a trace puts in a table, or a replaced parameter, differs; an order that changed with
+    the same objects under the same names is the same walk's, its paths in another order). Each comparison runs over every submodule at once, in C;
     when every attribute is the same object, the by-value comparisons are skipped."""
 
     __slots__ = (
-        "module", "subs", "types", "dicts", "keys", "watchers", "watched", "readers", "values", "tensors", "tables",
-        "table_keys", "objects", "globals", "global_values",
+        "module", "subs", "types", "dicts", "lengths", "watchers", "watched", "readers", "values", "tensors", "tables",
+        "sizes", "filled", "entries", "objects", "globals", "global_values",
     )
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -387,15 +389,18 @@ class ModuleSnapshot:
         self.subs = list(module.modules())
         self.types = list(map(type, self.subs))
         self.dicts = list(map(vars, self.subs))
-        self.keys = list(map(tuple, self.dicts))
+        self.lengths = list(map(len, self.dicts))
         self.watchers = [_reader(tuple(k for k in d if k not in _MODULE_INTERNALS)) for d in self.dicts]
         self.watched = list(itertools.chain.from_iterable(map(operator.call, self.watchers, self.dicts)))
         self.tensors = _tensor_attributes(self.dicts)
         self.readers = [_reader(tuple(k for k in d if k[0] != "_")) for d in self.dicts]
         self.values = list(map(operator.call, self.readers, self.dicts))
         self.tables = list(itertools.chain.from_iterable(map(_TABLES, self.dicts)))
-        self.table_keys = list(map(tuple, self.tables))
-        self.objects = list(itertools.chain.from_iterable(map(dict.values, self.tables)))
+        self.sizes = list(map(len, self.tables))
+        filled = [table for table in self.tables if table]
+        self.filled = _reader(tuple(i for i, table in enumerate(self.tables) if table))  # the tables not empty
+        self.entries = [_reader(tuple(table)) for table in filled]
+        self.objects = list(itertools.chain.from_iterable(map(operator.call, self.entries, filled)))
 
     def _global_values(self) -> list[Any]:
         if self.globals is None:
@@ -409,10 +414,13 @@ class ModuleSnapshot:
         dicts = list(map(vars, self.subs))
         if list(map(type, self.subs)) != self.types or not all(map(operator.is_, dicts, self.dicts)):
             return False
-        if list(map(tuple, dicts)) != self.keys:
+        if list(map(len, dicts)) != self.lengths:
             return False
-        watched = itertools.chain.from_iterable(map(operator.call, self.watchers, dicts))
-        if not all(map(operator.is_, watched, self.watched)):  # the keys are the same: so is the count
+        try:  # as many attributes, each name read before still there: the same names (see _MODULE_INTERNALS)
+            watched = list(itertools.chain.from_iterable(map(operator.call, self.watchers, dicts)))
+        except KeyError:
+            return False
+        if not all(map(operator.is_, watched, self.watched)):
             try:
                 if list(map(operator.call, self.readers, dicts)) != self.values:
                     return False
@@ -422,10 +430,13 @@ class ModuleSnapshot:
             if names != self.tensors[0] or not all(map(operator.is_, tensors, self.tensors[1])):
                 return False
         tables = list(itertools.chain.from_iterable(map(_TABLES, dicts)))
-        if not all(map(operator.is_, tables, self.tables)) or list(map(tuple, tables)) != self.table_keys:
+        if not all(map(operator.is_, tables, self.tables)) or list(map(len, tables)) != self.sizes:
             return False
-        objects = list(itertools.chain.from_iterable(map(dict.values, tables)))
-        return len(objects) == len(self.objects) and all(map(operator.is_, objects, self.objects))
+        try:  # the same number of entries, and the same object under each name: the same table
+            objects = itertools.chain.from_iterable(map(operator.call, self.entries, self.filled(tables)))
+            return all(map(operator.is_, objects, self.objects))
+        except KeyError:  # a name is gone
+            return False
 
 
 _TABLES = operator.itemgetter("_parameters", "_buffers", "_modules")
@@ -440,18 +451,17 @@ def _tensor_attributes(dicts: list[dict[str, Any]]) -> tuple[list[str], list[tor
 
 # What every nn.Module's __init__ puts in its __dict__ (hook tables, the parameter, buffer
 # and submodule tables), `training` aside: what a walk reads of a module besides those
-# tables is the rest (settings, and tensors kept as plain attributes).
+# tables is the rest (settings, and tensors kept as plain attributes). Code does not delete
+# these, so a snapshot counts them and reads the rest by name.
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
 
 
 def _reader(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
-    """Reads the values under `keys` from a dict, as a tuple."""
+    """Reads the values under `keys` from a dict, as a tuple (in C: one key is read twice,
+    so that itemgetter gives a tuple)."""
     if not keys:
         return lambda d: ()
-    if len(keys) == 1:
-        key = keys[0]
-        return lambda d: (d[key],)
-    return operator.itemgetter(*keys)
+    return operator.itemgetter(*keys) if len(keys) > 1 else operator.itemgetter(keys[0], keys[0])
 
 
 def _collect_consistently(fn: Callable[..., Any], memo: CaptureMemo | None = None) -> Collected:

@@ -92,9 +92,10 @@ class _Scaled(torch.nn.Module):
         self.scale = torch.full((2,), 2.0, dtype=D)
         self._shift = torch.full((2,), 0.5, dtype=D)
         self._extra: torch.Tensor | None = None
+        self.note = "unread"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x * self.scale + self._shift
+        out = (x * self.scale + self._shift) * getattr(self, "factor", 1.0)
         return out if self._extra is None else out * self._extra
 
 
@@ -118,6 +119,11 @@ def _set_tensor_attribute_that_was_none(m: torch.nn.Sequential) -> None:
     m[-1]._extra = torch.full((2,), 4.0, dtype=D)
 
 
+def _swap_one_setting_for_another(m: torch.nn.Sequential) -> None:
+    del m[-1].note
+    m[-1].factor = 3.0  # as many attributes as before, under other names
+
+
 def _eval(m: torch.nn.Sequential) -> None:
     m.eval()
 
@@ -136,6 +142,7 @@ CHANGES: dict[str, list[Callable[[torch.nn.Sequential], None]]] = {
         _rebind_public_tensor_attribute_to_an_equal_one, _fill_tensor_attribute_in_place,
         _set_tensor_attribute_that_was_none,
     ],
+    "swap_setting": [_add_module_reading_tensor_attributes, _swap_one_setting_for_another],
     "eval": [_eval],
 }
 
