@@ -63,36 +63,6 @@ def _variants(block: Callable[..., torch.Tensor]) -> dict[str, Callable[..., tor
     return {v.name: v.call for v in B.build_variants(block, with_torch_remat=False) if v.name in names}
 
 
-def _stack(call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def forward(x: torch.Tensor, layers: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        for p in layers:
-            x = call(x, p)
-        return x
-
-    return forward
-
-
-def _kept_bytes(forward: Callable[..., torch.Tensor], wl: B.Workload) -> int:
-    """Distinct storages autograd saves for backward, less the leaves (inputs, parameters).
-    Seen through saved-tensor hooks, so it counts compiled graphs (one autograd node that
-    saves through them) but not what eager torch.utils.checkpoint keeps behind its own
-    hooks: for eager rows bench_remat's exact count is used instead."""
-    leaves = {t.untyped_storage().data_ptr() for t in wl.leaves}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in leaves:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    gc.collect()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = forward(wl.x, wl.layers)
-    del out
-    return sum(storages.values())
-
-
 def _step_ms(forward: Callable[..., torch.Tensor], wl: B.Workload, clock: str) -> float:
     now = time.process_time if clock == "cpu" else time.perf_counter
     gc.collect()
@@ -110,7 +80,7 @@ def measure_compile(device: torch.device, clock: str, repeats: int) -> dict[str,
     for name, call in _variants(wl.block).items():
         for compiled in (False, True):
             key = f"{name} ({'compiled' if compiled else 'eager'})"
-            forward = _stack(call)
+            forward = B.stack_of(call)
             if compiled:
                 forward = torch.compile(forward, fullgraph=True, backend="inductor")
             start = time.perf_counter()
@@ -118,7 +88,7 @@ def measure_compile(device: torch.device, clock: str, repeats: int) -> dict[str,
             first_ms = (time.perf_counter() - start) * 1e3
             worst = max((g - r).abs().max().item() / (r.abs().max().item() or 1.0) for g, r in zip(grads, reference))
             del grads
-            kept = _kept_bytes(forward, wl) if compiled else B.kept_bytes(call, wl, device)["kept_bytes"]
+            kept = B.saved_bytes(forward, wl) if compiled else B.kept_bytes(call, wl, device)["kept_bytes"]
             rows[key] = {"variant": name, "compiled": compiled, "kept_bytes": kept, "first_call_ms": first_ms,
                          "max_rel_grad_err": worst, "step_ms": []}
             runs[key] = forward
@@ -148,7 +118,7 @@ def measure_lengths(device: torch.device, lengths: list[int]) -> dict[str, Any]:
             torch._dynamo.reset()
             counters.clear()
             remat.clear_cache()
-            forward = _stack(call)
+            forward = B.stack_of(call)
             if compiled:
                 forward = torch.compile(forward, fullgraph=True, backend="inductor")
             wrapped = getattr(call, "cache_info", None)
@@ -164,7 +134,7 @@ def measure_lengths(device: torch.device, lengths: list[int]) -> dict[str, Any]:
     torch._dynamo.reset()
     counters.clear()
     dynamic = remat.remat(base.block, policy=P.dots_saveable, dynamic=True)
-    rows["dynamic"] = {"variant": "remat_dots_saveable", "total_s": _loop(_stack(dynamic), batches, base.layers),
+    rows["dynamic"] = {"variant": "remat_dots_saveable", "total_s": _loop(B.stack_of(dynamic), batches, base.layers),
                        "dynamo_graphs": int(counters["stats"]["unique_graphs"])}
     B.log(f"lengths: remat dots_saveable dynamic=True (eager): {rows['dynamic']}")
     return {"lengths": lengths, "layers": size.layers, "d_model": size.d_model, "batch": size.batch, "rows": rows}

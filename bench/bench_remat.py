@@ -1059,5 +1059,37 @@ def _relative(path: str) -> str:
         return path
 
 
+
+def stack_of(call: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The whole stack's forward from one layer's `call(x, params)`."""
+    def forward(x: torch.Tensor, layers: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        for p in layers:
+            x = call(x, p)
+        return x
+
+    return forward
+
+
+def saved_bytes(forward: Callable[..., torch.Tensor], wl: Workload) -> int:
+    """Distinct storages autograd saves for backward, less the leaves (inputs, parameters).
+    Seen through saved-tensor hooks, so it counts compiled graphs (one autograd node that
+    saves through them) but not what eager torch.utils.checkpoint keeps behind its own
+    hooks: for eager rows bench_remat's exact count is used instead."""
+    leaves = {t.untyped_storage().data_ptr() for t in wl.leaves}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in leaves:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    gc.collect()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward(wl.x, wl.layers)
+    del out
+    return sum(storages.values())
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -43,7 +43,6 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import bench_compile as C  # noqa: E402
 import bench_remat as B  # noqa: E402
 
 import remat  # noqa: E402
@@ -85,11 +84,11 @@ def _torch_point(wl: B.Workload, fraction: float, baseline_flops: int) -> dict[s
         counting.flops = 0
         grads = B.step(counted, wl)
         flops = counting.flops
-        kept = C._kept_bytes(C._stack(counted), wl)
+        kept = B.saved_bytes(B.stack_of(counted), wl)
         torch._dynamo.reset()
         inductor = torch.compile(wl.block, fullgraph=True, backend="inductor")
         B.step(inductor, wl)
-        kept_inductor = C._kept_bytes(C._stack(inductor), wl)
+        kept_inductor = B.saved_bytes(B.stack_of(inductor), wl)
         torch._dynamo.reset()
     return {"fraction": fraction, "kept_bytes": kept, "inductor_kept_bytes": kept_inductor,
             "recomputed_flops": flops - baseline_flops, "grads": grads}
@@ -100,7 +99,7 @@ def _remat_point(wl: B.Workload, fraction: float | int, baseline_flops: int) -> 
     region = remat.remat(wl.block, policy=P.memory_budget(fraction))
     grads = B.step(region, wl)
     flops = B.step_flops(region, wl)["flops"]
-    return {"fraction": fraction, "kept_bytes": C._kept_bytes(C._stack(region), wl),
+    return {"fraction": fraction, "kept_bytes": B.saved_bytes(B.stack_of(region), wl),
             "recomputed_flops": flops - baseline_flops, "grads": grads}
 
 
@@ -125,7 +124,7 @@ def measure(device: torch.device, size: B.Size, fractions: tuple[float, ...]) ->
             p["max_rel_grad_err"] = _worst_error(p.pop("grads"), reference)
             sides[side].append(p)
             B.log(f"{side} {fraction}: kept {p['kept_bytes'] / 2**20:.2f} MiB, recomputed {p['recomputed_flops'] / 1e9:.3f} GFLOP")
-    kept_plain = C._kept_bytes(C._stack(wl.block), wl)
+    kept_plain = B.saved_bytes(B.stack_of(wl.block), wl)
     # remat's budget in bytes counts a region's intermediates (its inputs are kept anyway):
     # torch's kept bytes less what keeping nothing keeps (the later layers' inputs), per layer.
     inputs_only = sides["remat"][0]["kept_bytes"]

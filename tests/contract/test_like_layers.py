@@ -101,6 +101,33 @@ def test_like_layers_draw_and_update_their_own_state() -> None:
     assert [layer.forward.cache_info()["like"] for layer in layers] == [0, 1, 1]
 
 
+class Masked(Scaled):
+    """Keeps a tensor of its own as a plain attribute (not a buffer): an input, like its parameters."""
+
+    def __init__(self, fill: float) -> None:
+        super().__init__(1.0)
+        self.mask = torch.full((8,), fill, dtype=D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.mask
+
+
+def test_layers_with_their_own_tensor_attributes_read_their_own() -> None:
+    """Such a tensor is read as an input in the trace (a stand-in), whose form is its
+    identity: each layer traces its own plan, and a rebound attribute is seen."""
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(Masked(fill) for fill in (0.5, -2.0, 3.0))
+    infos = _against_no_remat(layers)
+    assert [(i["traces"], i["like"]) for i in infos] == [(1, 0), (1, 0), (1, 0)]
+    layers[2].mask = torch.full((8,), 7.0, dtype=D)  # rebound after sharing: read on the next call
+    x = torch.randn(3, 8, dtype=D, requires_grad=True)
+    got = _run(layers, x)
+    for layer in layers:
+        del layer.forward  # the class's forward again: no remat
+    expected = _run(layers, x)
+    assert torch.equal(got[0], expected[0]) and all(torch.equal(g, e) for g, e in zip(got[1], expected[1]))
+
+
 def test_a_private_attribute_the_forward_reads_keeps_layers_apart() -> None:
     torch.manual_seed(0)
     infos = _against_no_remat(torch.nn.ModuleList([Scaled(1.5), Scaled(2.0), Scaled(1.5), Scaled(2.0)]))
