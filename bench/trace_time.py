@@ -160,16 +160,19 @@ def deep_model(layers: int = 32, repeat: int = 3, like_layers: bool = True) -> d
     """Per sequence length (128, then three new ones): seconds of a model's first training
     step there beyond a step once planned (min of 3), and of its first layer's first call
     there beyond a planned call; their ratio is what a step's planning costs in first-layer
-    traces. `like_layers=False`: each layer traces (bench-only switch)."""
+    traces. `like_layers=False`: each layer traces (bench-only switch). The template is made
+    at the second length, as in `new_lengths` (which leaves the process so)."""
     import torch
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaModel
 
     import remat
     import remat._api.decorator as decorator
+    from remat._plans import templates as _specializing
     from remat import policies as P
 
     torch.set_num_threads(1)
+    _specializing.TEMPLATE_COST_RATIO = 0.0
     like_plan = decorator.like_plan
     if not like_layers:
         decorator.like_plan = lambda *args: None

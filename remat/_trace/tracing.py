@@ -632,12 +632,30 @@ def _lift_constants(gm: torch.fx.GraphModule, call: Call, fn_name: str, under_tr
                 "treating it as a constant could silently zero its gradient. Pass it as an argument."
             )
         else:
+            _warn_frozen(fn_name, node, value)
             continue
         placeholder = _insert_placeholder(gm, f"captured_{len(inputs.paths)}", _fake_like(mode, value))
         inputs.paths.append(path)
         node.replace_all_uses_with(placeholder)
         gm.graph.erase_node(node)
     gm.graph.lint()
+
+
+def _warn_frozen(fn_name: str, node: torch.fx.Node, value: torch.Tensor) -> None:
+    """A tensor the function read that is neither an argument nor found by the closure walk
+    (a class attribute, an object of an installed library): the plan holds that tensor
+    object, so a tensor rebound there later is not seen. Said once per trace."""
+    where = next((line for user in node.users if (line := source_line(user)) is not None), None)
+    warnings.warn(
+        f"remat({fn_name}) reads a {tuple(value.shape)} {value.dtype} tensor"
+        f"{f' at {where}' if where else ''} that is neither an argument nor reachable from its closure, "
+        "globals or modules (a class attribute, or an object of a library?). The traced plan holds that tensor "
+        "object: changes to it in place are seen, but a tensor put in its place later is not. Pass it as an "
+        "argument, or keep it where remat reads it on every call (a module buffer or attribute, a closure, a "
+        "global, an attribute of an instance of your own class).",
+        RematStateWarning,
+        stacklevel=2,
+    )
 
 
 def differentiate(

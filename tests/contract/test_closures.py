@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.func import grad, vmap
 
-from remat import RematTraceError, remat
+from remat import RematStateWarning, RematTraceError, remat
 from remat import policies as P
 
 from conftest import assert_close
@@ -161,6 +161,23 @@ def test_a_tensor_an_instance_of_the_user_s_class_holds_is_read_on_every_call() 
 
     expected = grad(lambda s: f(x.detach()) if setattr(settings, "scale", s) is None else None)(torch.ones(4, dtype=D))
     assert_close(grad(through)(torch.ones(4, dtype=D)), expected)
+
+
+class _Frozen:
+    table = torch.randn(4, dtype=D)
+
+
+def test_a_tensor_behind_a_class_attribute_is_held_by_the_plan_and_said_so() -> None:
+    """Outside transforms such a tensor is a constant of the trace: the trace warns, naming
+    the line and the fix; the values are those without remat, and a change in place is seen."""
+    region = remat(lambda x: torch.tanh(x * _Frozen.table))
+    x = torch.randn(3, 4, dtype=D, requires_grad=True)
+    with pytest.warns(RematStateWarning, match=r"reads a \(4,\) torch.float64 tensor at .*test_closures.py:\d+ that is neither"):
+        got = region(x)
+    assert_close(got, torch.tanh(x * _Frozen.table))
+    with torch.no_grad():
+        _Frozen.table.mul_(-2.0)
+    assert_close(torch.autograd.grad(region(x).sum(), x), torch.autograd.grad(torch.tanh(x * _Frozen.table).sum(), x))
 
 
 def test_a_rebound_global_is_seen_on_the_next_call() -> None:
