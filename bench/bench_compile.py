@@ -278,11 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         "overhead_layer": O.measure_layer(rounds=15, calls=50),
         "trace": T.measure(repeat=5),
     }
-    budget_started = time.perf_counter()
-    budget: dict[str, Any] = {"by": "`bench/bench_compile.py`, in the same run as the overhead and first-call rows",
-                              "torch": torch.__version__, "git": result["git"], "threads": result["threads"],
-                              "measure": BT.measure(device, BT.SIZE, BT.FRACTIONS)}
-    budget["elapsed_s"] = time.perf_counter() - budget_started
+    budget = BT.run(device, BT.SIZE, BT.FRACTIONS, by="`bench/bench_compile.py`, in the same run as the overhead and first-call rows")
     load.append(os.getloadavg()[0])
     result["load"], result["elapsed_s"] = load, time.perf_counter() - started
     out = args.out or HERE / f"results-compile-{device.type}.json"

@@ -204,6 +204,18 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def run(device: torch.device, size: B.Size, fractions: tuple[float, ...], by: str | None = None) -> dict[str, Any]:
+    """measure() with what the section's header states (torch, code, threads, time; `by`:
+    the script that ran it, when not this one)."""
+    started = time.perf_counter()
+    result: dict[str, Any] = {"torch": torch.__version__, "git": B.git_state(), "threads": torch.get_num_threads(),
+                              "measure": measure(device, size, fractions)}
+    result["elapsed_s"] = time.perf_counter() - started
+    if by is not None:
+        result["by"] = by
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
@@ -217,10 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     torch._inductor.config.fx_graph_cache = False
     torch._functorch.config.enable_autograd_cache = False
     device = torch.device(args.device)
-    started = time.perf_counter()
-    result: dict[str, Any] = {"torch": torch.__version__, "git": B.git_state(), "threads": torch.get_num_threads(),
-                              "measure": measure(device, SMOKE_SIZE if args.smoke else SIZE, SMOKE_FRACTIONS if args.smoke else FRACTIONS)}
-    result["elapsed_s"] = time.perf_counter() - started
+    result = run(device, SMOKE_SIZE if args.smoke else SIZE, SMOKE_FRACTIONS if args.smoke else FRACTIONS)
     out = args.out or HERE / f"results-budget-{device.type}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     B.log(f"wrote {out}")

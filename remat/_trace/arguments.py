@@ -361,21 +361,20 @@ def _walked_into(value: Any) -> bool:
 def _is_user_object(value: Any) -> bool:
     """An instance of a class of the user's code with a `__dict__` (not a class or function):
     the walk reads its attributes, where the user may keep tensors."""
-    cls = type(value)
-    return hasattr(value, "__dict__") and not isinstance(value, type) and cls.__module__ != "builtins" and is_user_class(cls)
+    return hasattr(value, "__dict__") and not isinstance(value, type) and is_user_class(type(value))
 
 
 class ModuleSnapshot:
     """What a walk of a module reads, kept to tell cheaply whether a new walk would find the
     same: the globals the module's forward reads (by identity), its submodules (in
-    `modules()` order), their types and `__dict__`s, those dicts' sizes and the values
-    under every name but nn.Module's own (public ones are settings, compared by value, as
-    the cache key compares them), the tensors kept as
-    plain attributes (by identity), and the names and objects of their parameter, buffer
-    and submodule tables (the same count, and the same object under each name: a stand-in
-    a trace puts in a table, or a replaced parameter, differs; an order that changed with
-    the same objects under the same names is the same walk's, its paths in another order). Each comparison runs over every submodule at once, in C;
-    when every attribute is the same object, the by-value comparisons are skipped."""
+    `modules()` order), their types and `__dict__`s, those dicts' sizes and the values under
+    every name but nn.Module's own (public ones are settings, compared by value, as the
+    cache key compares them; tensors kept as plain attributes, by identity), and the names
+    and objects of their parameter, buffer and submodule tables (the same count, and the
+    same object under each name: a stand-in a trace puts in a table, or a replaced
+    parameter, differs; the same objects under the same names in another order are the
+    same walk's, its paths reordered). Each comparison runs over every submodule at once,
+    in C; when every attribute is the same object, the by-value comparisons are skipped."""
 
     __slots__ = (
         "module", "subs", "types", "dicts", "lengths", "watchers", "watched", "readers", "values", "tensors", "tables",
@@ -442,18 +441,22 @@ class ModuleSnapshot:
 _TABLES = operator.itemgetter("_parameters", "_buffers", "_modules")
 
 
-def _tensor_attributes(dicts: list[dict[str, Any]]) -> tuple[list[str], list[torch.Tensor]]:
-    """The names and objects of the tensors kept as plain attributes (outside the tables),
-    which the walk collects as inputs, in order."""
-    pairs = [(k, v) for d in dicts for k, v in d.items() if isinstance(v, torch.Tensor) and k not in _MODULE_INTERNALS]
-    return [k for k, _ in pairs], [v for _, v in pairs]
-
-
 # What every nn.Module's __init__ puts in its __dict__ (hook tables, the parameter, buffer
 # and submodule tables), `training` aside: what a walk reads of a module besides those
 # tables is the rest (settings, and tensors kept as plain attributes). Code does not delete
 # these, so a snapshot counts them and reads the rest by name.
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+
+
+def _tensor_attribute(name: str, value: Any) -> bool:
+    """A tensor a module keeps as a plain attribute (outside its tables): an input the walk collects."""
+    return isinstance(value, torch.Tensor) and name not in _MODULE_INTERNALS
+
+
+def _tensor_attributes(dicts: list[dict[str, Any]]) -> tuple[list[str], list[torch.Tensor]]:
+    """The names and objects of the modules' tensor attributes, in the walk's order."""
+    pairs = [(k, v) for d in dicts for k, v in d.items() if _tensor_attribute(k, v)]
+    return [k for k, _ in pairs], [v for _, v in pairs]
 
 
 def _reader(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
@@ -586,7 +589,7 @@ def collect_captured(fn: Callable[..., Any]) -> Collected:
                             paths.append(f"{prefix}.{name}")
                             setters.append(_item_setter(table, name))
                 for name, attribute in vars(sub).items():  # a tensor kept as a plain attribute is read too
-                    if isinstance(attribute, torch.Tensor) and name not in _MODULE_INTERNALS and id(attribute) not in seen:
+                    if _tensor_attribute(name, attribute) and id(attribute) not in seen:
                         seen.add(id(attribute))
                         found.append(attribute)
                         paths.append(f"{prefix}.{name}")
