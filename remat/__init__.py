@@ -16,6 +16,7 @@ from ._api.reports import Recompute, Report, Residual, print_saved_residuals, re
 from ._core.errors import (
     RecomputeMismatchError,
     RematError,
+    RematFallbackWarning,
     RematPolicyWarning,
     RematRetraceWarning,
     RematStateWarning,
@@ -41,6 +42,7 @@ __all__ = [
     "RecomputeMismatchError",
     "RematPolicyWarning",
     "RematRetraceWarning",
+    "RematFallbackWarning",
     "RematStateWarning",
     "clear_cache",
     "policies",

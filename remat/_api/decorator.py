@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import warnings
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import optree
@@ -12,6 +13,7 @@ import torch
 
 from remat.policies import MemoryBudget
 
+from .._core.errors import RematFallbackWarning, RematTraceError
 from .._core.locking import TRACE_LOCK
 from .._core.no_remat import NO_REMAT, is_no_remat
 from .._core.torch_internals import (
@@ -38,6 +40,7 @@ from .._plans.sharing import graph_signature, share_plan, shared_plan
 from .._plans.templates import Graphs, Templates
 from .._running.chaining import Chain, Runnable, split_at_outputs
 from .._running.executing import Plan, eager_under_vmap
+from .._running.replaying import replay, replay_note
 from .._trace.arguments import Call, CaptureMemo, positional_names, split_call
 from .._trace.attribute_reads import recording_reads
 from .._trace.hooks import call_hooks
@@ -121,6 +124,7 @@ class Rematerialized:
         cache_size: int = DEFAULT_CACHE_SIZE,
         name: str | None = None,
         dynamic: bool = False,
+        fallback: bool = True,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"remat: expected a function or nn.Module to wrap, got {fn!r}")
@@ -159,12 +163,17 @@ class Rematerialized:
                 "Drop dynamic=True, or use an op-by-op policy without debug."
             )
         self.dynamic = dynamic
+        if not isinstance(fallback, bool):
+            raise TypeError(f"remat: fallback must be True or False, got {fallback!r}")
+        self.fallback = fallback
+        self._replayed: dict[Any, str] = {}  # call keys that could not be traced: why
         self._dynamic_region: Callable[..., Any] | None = None
         self._plans = self._plans_for(policy)
         self._hits = 0
         self._traces = 0
         self._specialized = 0
         self._like = 0
+        self._replays = 0
         for attribute in ("__module__", "__name__", "__qualname__", "__doc__"):
             if hasattr(fn, attribute):
                 setattr(self, attribute, getattr(fn, attribute))
@@ -177,11 +186,11 @@ class Rematerialized:
         """Calls of this wrapper that reused a plan, traces of its function it made, plans
         it made for a new size from a symbolic trace (`_plans/templates`: a template traced once,
         then no trace), plans it took from a like module without tracing (`_plans/like_layers`),
-        plans its function holds (shared with other wrappers of the same
+        calls it ran as torch.utils.checkpoint does because they could not be traced, plans its function holds (shared with other wrappers of the same
         function), and the bound."""
         return {
             "hits": self._hits, "traces": self._traces, "specialized": self._specialized, "like": self._like,
-            "size": len(self._plans.plans), "maxsize": self.cache_size,
+            "replays": self._replays, "size": len(self._plans.plans), "maxsize": self.cache_size,
         }
 
     def clear_cache(self) -> None:
@@ -194,7 +203,8 @@ class Rematerialized:
         del state["_plans"]
         state["_dynamic_region"] = None
         state["_captures"] = CaptureMemo()  # holds setters (closures), and is a cache
-        state["_hits"] = state["_traces"] = state["_specialized"] = 0
+        state["_hits"] = state["_traces"] = state["_specialized"] = state["_replays"] = 0
+        state["_replayed"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -217,19 +227,37 @@ class Rematerialized:
         if self.dynamic and not transforms_active():
             return self._call_dynamic(args, kwargs)
         plans = self._plans if override is None else self._plans_for(policy)
-        call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames, self._captures)
+        try:
+            call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames, self._captures)
+        except RematTraceError as error:  # a tensor remat cannot trace with (sparse, ExpandedWeight)
+            if not self._replays_instead(error):
+                raise
+            self._say_replayed(error, policy)
+            return self._replay(policy, args, kwargs)
         plan = plans.lookup(call.key, call.storage_offsets)
         if plan is not MISSING and not _hooks_as_traced(plan):
             plan = MISSING
         if plan is not MISSING:
             self._hits += 1
+        elif self._replayed and call.key in self._replayed:
+            return self._replay(policy, args, kwargs)
         else:
             with TRACE_LOCK:  # one trace at a time in the process; another thread may have built it
                 plan = plans.lookup(call.key, call.storage_offsets)
                 if plan is MISSING or not _hooks_as_traced(plan):
-                    plan, traced = self._build(call, policy, plans)
-                    offsets = call.storage_offsets() if plan is not None and plan.stage_one.reads_storage_offsets else None
-                    plans.store(call.key, call.key_labels(), plan, offsets, traced)
+                    try:
+                        plan, traced = self._build(call, policy, plans)
+                    except RematTraceError as error:
+                        if not self._replays_instead(error):
+                            raise
+                        self._say_replayed(error, policy)
+                        self._replayed[call.key] = str(error)
+                        plan = MISSING
+                    else:
+                        offsets = call.storage_offsets() if plan is not None and plan.stage_one.reads_storage_offsets else None
+                        plans.store(call.key, call.key_labels(), plan, offsets, traced)
+            if plan is MISSING:  # outside the lock: the replay runs the function (other regions trace in it)
+                return self._replay(policy, args, kwargs)
         if plan is None:  # nothing needs a gradient: there is nothing to checkpoint
             return self.fn(*args, **kwargs)
         stage_one = plan.stage_one
@@ -246,6 +274,38 @@ class Rematerialized:
         if stage_one.n_outputs == 1 and stage_one.out_spec.is_leaf():  # one tensor: no tree to rebuild
             return results[0]
         return self._rebuild_outputs(plan, results)
+
+    def _replays_instead(self, error: RematTraceError) -> bool:
+        """Whether a region whose trace failed so runs as torch.utils.checkpoint does
+        instead: not under a torch.func transform (whose levels a replay in backward would
+        not see; the error then says so), nor with `fallback=False`, nor where a second run
+        of its Python differs."""
+        if not (self.fallback and error.replayable):
+            return False
+        if transforms_active():
+            error.add_note(
+                f"(remat({self.region}) runs such a region as torch.utils.checkpoint does outside torch.func transforms; "
+                "under a transform it must be traced)"
+            )
+            return False
+        return True
+
+    def _say_replayed(self, error: RematTraceError, policy: Callable[..., bool] | None) -> None:
+        """Say once per region that it runs replayed, and why."""
+        if not self._replays:
+            warnings.warn(
+                f"remat({self.region}) could not be traced, so it runs as torch.utils.checkpoint does (its Python "
+                f"again in backward, the policy asked op by op). Why: {error}\n"
+                f"Gradients, the random stream and in-place updates (BatchNorm statistics) are as without remat; "
+                f"torch.func transforms over this region raise.{replay_note(policy)} "
+                "Pass fallback=False to raise instead.",
+                RematFallbackWarning,
+                stacklevel=3,
+            )
+
+    def _replay(self, policy: Callable[..., bool] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self._replays += 1
+        return replay(self.fn, args, kwargs, policy, self.region)
 
     def _call_under_compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         override = compiled_override()
@@ -365,6 +425,7 @@ def remat(
     cache_size: int = DEFAULT_CACHE_SIZE,
     name: str | None = None,
     dynamic: bool = False,
+    fallback: bool = True,
 ) -> Any:
     """Rematerialize `fn`: keep only what `policy` allows for backward, recompute the rest.
 
@@ -401,13 +462,19 @@ def remat(
     lowering used under torch.compile), which traces a size symbolic once it has changed,
     so many lengths cost two traces, not one each. Under torch.func transforms it traces
     per shape as usual.
+
+    A call remat cannot trace (shapes that depend on data, a custom autograd.Function, a
+    backward hook inside) runs as `torch.utils.checkpoint` runs it, its Python again in
+    backward, with the policy asked op by op, the random stream and in-place updates as
+    without remat, and a `RematFallbackWarning` saying why, once per region; under a
+    torch.func transform it raises. `fallback=False` raises instead of replaying.
     """
     if fn is None:
         return functools.partial(
             remat, policy=policy, static_argnums=static_argnums, static_argnames=static_argnames, debug=debug,
-            cache_size=cache_size, name=name, dynamic=dynamic,
+            cache_size=cache_size, name=name, dynamic=dynamic, fallback=fallback,
         )
-    wrapped = Rematerialized(fn, policy, static_argnums, static_argnames, debug, cache_size, name, dynamic)
+    wrapped = Rematerialized(fn, policy, static_argnums, static_argnames, debug, cache_size, name, dynamic, fallback)
     return RematerializedModule(fn, wrapped) if isinstance(fn, torch.nn.Module) else wrapped
 
 

@@ -70,6 +70,7 @@ def checkpoint_layers(
     prefix: str | None = None,
     budget: int | float | None = None,
     dynamic: bool = False,
+    fallback: bool = True,
 ) -> list[Any]:
     """Rematerialize each module of a stack with its own policy, in place.
 
@@ -82,7 +83,8 @@ def checkpoint_layers(
     `budget` (bytes, or a fraction of what keeping everything would keep) is spread evenly
     over the layers `spec` does not mark "no remat": each gets `memory_budget(its share)`.
     `dynamic=True` gives every layer `remat(..., dynamic=True)` (sizes that vary, such as
-    sequence lengths, are traced symbolic once they change).
+    sequence lengths, are traced symbolic once they change). `fallback=False` makes a
+    layer that cannot be traced raise instead of running as torch.utils.checkpoint does.
     """
     modules = list(layers)
     schedule = policy_schedule(spec, len(modules))
@@ -97,6 +99,6 @@ def checkpoint_layers(
         if is_no_remat(policy):
             module.forward = original  # type: ignore[method-assign]
         else:
-            module.forward = remat(original, policy=policy, name=name, dynamic=dynamic)  # type: ignore[method-assign]
+            module.forward = remat(original, policy=policy, name=name, dynamic=dynamic, fallback=fallback)  # type: ignore[method-assign]
     return schedule
 

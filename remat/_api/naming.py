@@ -8,6 +8,8 @@ import optree
 import torch
 
 from .._core.nodes import NAME_KEY, annotate
+from .._partition.compiling import named_copies
+from .._running.replaying import replaying
 from .._trace.recording import traced_node
 
 T = TypeVar("T")
@@ -20,7 +22,9 @@ def checkpoint_name(x: T, name: str) -> T:
     While remat traces a function, the name is written on the graph node that produced
     the tensor, where `save_only_these_names("name")` and friends look for it.
     Under torch.compile it is the op `remat::checkpoint_name` (a copy), through which the
-    name reaches the node that produced the tensor, as in eager.
+    name reaches the node that produced the tensor, as in eager. In a region remat could
+    not trace (run as torch.utils.checkpoint runs it) it is that op too: the policy keeps
+    the named copy.
 
     >>> import torch
     >>> from remat import checkpoint_name
@@ -34,6 +38,8 @@ def checkpoint_name(x: T, name: str) -> T:
         from .._partition.compiling import name_under_compile
 
         return name_under_compile(x, name)  # type: ignore[no-any-return]
+    if replaying():
+        return named_copies(x, name)  # type: ignore[no-any-return]
     for leaf in optree.tree_leaves(x):  # type: ignore[var-annotated,arg-type]
         if isinstance(leaf, torch.Tensor):
             annotate(traced_node(leaf), NAME_KEY, name)

@@ -8,7 +8,17 @@ class RematError(RuntimeError):
 
 
 class RematTraceError(RematError):
-    """remat could not turn the function into a graph; the message says where and what to do."""
+    """remat could not turn the function into a graph; the message says where and what to do.
+
+    `replayable`: whether running the region as torch.utils.checkpoint does (its Python
+    again in backward) gives what the function gives without remat. Not where the failed
+    trace itself left stand-in tensors where the caller sees them, nor for a function
+    whose Python has an effect a second run would repeat (`.backward()`, mutating an input
+    that requires grad)."""
+
+    def __init__(self, message: str, *, replayable: bool = True) -> None:
+        super().__init__(message)
+        self.replayable = replayable
 
 
 class RecomputeMismatchError(RuntimeError):
@@ -21,6 +31,10 @@ class RematPolicyWarning(UserWarning):
 
 class RematRetraceWarning(UserWarning):
     """A remat'd function traced again and again; the message says what changed."""
+
+
+class RematFallbackWarning(UserWarning):
+    """A region could not be traced and runs as torch.utils.checkpoint runs it; the message says why."""
 
 
 class RematStateWarning(UserWarning):

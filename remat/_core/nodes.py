@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import operator
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import optree
 import torch
@@ -44,6 +44,26 @@ def schema_defaults(op: OpOverload) -> tuple[list[Any], dict[str, Any]]:
 def written_arguments(op: OpOverload) -> tuple[tuple[int, str], ...]:
     """The (position, name) of each argument an op writes in place, as its schema says."""
     return tuple((i, a.name) for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+
+
+# Ops that update running statistics in training although their schemas do not say so
+# (torch 2.13): the positions of those statistics.
+_UNDECLARED_MUTATIONS = {
+    torch.ops.aten.native_batch_norm.default: (3, 4),
+    torch.ops.aten._native_batch_norm_legit.default: (3, 4),
+    torch.ops.aten.cudnn_batch_norm.default: (3, 4),
+    torch.ops.aten.miopen_batch_norm.default: (3, 4),
+}
+
+
+def written_values(op: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
+    """What a call of `op` writes in place (fx nodes or tensors, None for an absent
+    optional): the arguments its schema marks written, and batch norm's running
+    statistics in training, which its schema does not mark."""
+    undeclared = _UNDECLARED_MUTATIONS.get(op)
+    if undeclared is not None and args[5]:  # training: updates the statistics
+        return [args[i] for i in undeclared]
+    return [args[i] if i < len(args) else kwargs.get(name) for i, name in written_arguments(op)]
 
 
 def ancestors(roots: Iterable[Any], stop: set[torch.fx.Node]) -> set[torch.fx.Node]:

@@ -612,3 +612,43 @@ def below_autograd(keyset: Any) -> Any:
     """The dispatch keys an op's Autograd kernel redispatches to, to run the op itself
     (torch 2.13, as torch.library's custom ops do)."""
     return keyset & torch._C._after_autograd_keyset
+
+
+# --- selective checkpointing's cache (torch 2.13: utils/checkpoint.py) -----------------------
+
+
+class SacEntry:
+    """The cache entry of one op call under the caching mode that
+    `create_selective_checkpoint_contexts` returned first, found while the policy is
+    asked about that call: the mode counts the call before it asks and stores the entry
+    `storage[key][count - 1]` after (torch 2.13, _CachingTorchDispatchMode.__torch_dispatch__).
+    Changed later, it makes the recompute recompute the output (`forget`) or take `value`
+    (`keep`), as the policy's other answer would have."""
+
+    __slots__ = ("storage", "key", "index")
+
+    def __init__(self, caching: Any, op: Any, args: tuple[Any, ...]) -> None:
+        from torch.utils.checkpoint import _sac_storage_key
+
+        self.key = _sac_storage_key(op, args)
+        self.index = caching.func_counter[self.key] - 1
+        self.storage = caching.storage
+
+    def forget(self) -> None:
+        from torch.utils.checkpoint import _RECOMPUTE
+
+        self.storage[self.key][self.index] = _RECOMPUTE
+
+    def keep(self, value: torch.Tensor) -> None:
+        from torch.utils.checkpoint import _detach_helper, _VersionWrapper
+
+        self.storage[self.key][self.index] = _VersionWrapper(_detach_helper(value))
+
+
+def is_expanded_weight(t: Any) -> bool:
+    """Whether `t` is an ExpandedWeight, the per-sample-gradient wrapper of
+    `torch.nn.utils._per_sample_grad.call_for_per_sample_grads` (torch 2.13,
+    nn/utils/_expanded_weights/expanded_weights_impl.py)."""
+    from torch.nn.utils._expanded_weights.expanded_weights_impl import ExpandedWeight
+
+    return isinstance(t, ExpandedWeight)

@@ -55,10 +55,15 @@ def name_under_compile(x: Any, name: str) -> Any:
     (none under without_remat(), where nothing reads names)."""
     if compiled_override() == NO_REMAT:
         return x
+    return named_copies(x, name)
+
+
+def named_copies(x: Any, name: str) -> Any:
+    """Every tensor leaf of `x` through the naming op."""
     return pytree.tree_map(lambda leaf: _named_copy(leaf, name) if isinstance(leaf, torch.Tensor) else leaf, x)
 
 
-class _Decisions:
+class Decisions:
     """The selective-checkpoint policy function: the region's policy asked about each op.
 
     A name (the `remat::checkpoint_name` op) is asked about as in eager: with the op that
@@ -77,9 +82,13 @@ class _Decisions:
         if op is NAMED_COPY:
             self._name(self.policy, args[0], args[1])
             return CheckpointPolicy.PREFER_RECOMPUTE
+        return self.answer(op, args, kwargs, None)
+
+    def answer(self, op: Any, args: Any, kwargs: dict[str, Any], name: str | None) -> CheckpointPolicy:
+        """The policy's answer for `op` on `args` (real or traced tensors, seen as meta)."""
         with dispatch_modes_off():  # meta tensors made here must not enter the traced graph
             meta_args, meta_kwargs = pytree.tree_map(meta_like, (args, kwargs))
-            return self._tag(op, answer_of(self.policy, op, meta_args, meta_kwargs, None))
+            return self.tag(op, answer_of(self.policy, op, meta_args, meta_kwargs, name))  # type: ignore[arg-type]
 
     def _name(self, policy: Callable[..., Any], value: torch.Tensor, name: str) -> None:
         node = tracing_node(value)
@@ -88,11 +97,11 @@ class _Decisions:
         op_node = producer(node)
         with dispatch_modes_off():
             meta_args, meta_kwargs = meta_arguments(op_node)
-            tag = self._tag(op_node.target, answer_of(policy, op_node.target, meta_args, meta_kwargs, name))
+            tag = self.tag(op_node.target, answer_of(policy, op_node.target, meta_args, meta_kwargs, name))
         for tagged in [op_node, *(user for user in op_node.users if producer(user) is op_node)]:
             tagged.meta["recompute"] = tag  # a multi-output op and its items alike, as torch tags them
 
-    def _tag(self, op: Any, answer: Any) -> CheckpointPolicy:
+    def tag(self, op: Any, answer: Any) -> CheckpointPolicy:
         if isinstance(answer, Offload):
             raise RematError(
                 f"remat({self.region}): policy {self.policy!r} offloads the output of {op} to host memory, "
@@ -105,7 +114,7 @@ class _Decisions:
 def selective_context(policy: Callable[..., Any] | None, region: str) -> Callable[[], Any]:
     """The checkpoint `context_fn` that tags each op with `policy`'s answer. Built once per
     region, outside the traced code: dynamo needs it as a constant it can guard on."""
-    return functools.partial(create_selective_checkpoint_contexts, _Decisions(policy, region))
+    return functools.partial(create_selective_checkpoint_contexts, Decisions(policy, region))
 
 
 def call_under_compile(

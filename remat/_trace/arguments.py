@@ -22,10 +22,10 @@ from typing import Any, Callable, Iterator, Sequence
 import optree
 import torch
 
-from .._core.errors import RematError, RematStateWarning
+from .._core.errors import RematError, RematStateWarning, RematTraceError
 from .._core.locking import TRACE_LOCK
 from .._core.sources import is_installed_code, is_user_class
-from .._core.torch_internals import autocast_state, nested_gradients, transform_levels, transforms_active
+from .._core.torch_internals import autocast_state, is_expanded_weight, nested_gradients, transform_levels, transforms_active
 
 
 @dataclass(frozen=True, repr=False)
@@ -496,10 +496,25 @@ def _collect_consistently(fn: Callable[..., Any], memo: CaptureMemo | None = Non
         return collect_captured(fn)
 
 
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
 def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor) -> None:
-    """Sparse and other unstrided tensors have no fake stand-in remat can trace with."""
+    """Sparse and other unstrided tensors, ExpandedWeights and tensor subclasses with their
+    own dispatch (DTensor) have no fake stand-in remat can trace with."""
+    if is_expanded_weight(t):  # it answers no attribute read (`.layout` raises)
+        raise RematTraceError(
+            f"remat({_qualname(fn)}): {path} is an ExpandedWeight (per-sample gradients: "
+            "`call_for_per_sample_grads`, Opacus' \"ew\" mode), which remat cannot trace. For a traced "
+            "region use torch.func: `vmap(grad(loss))` over the samples."
+        )
+    if type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        raise RematTraceError(
+            f"remat({_qualname(fn)}): {path} is a {type(t).__name__}, a tensor subclass with its own dispatch "
+            "(such as DTensor for tensor parallelism), and remat traces plain tensors only."
+        )
     if t.layout != torch.strided:
-        raise RematError(
+        raise RematTraceError(
             f"remat({_qualname(fn)}): argument {path} is a {t.layout} tensor; remat traces strided "
             "(dense) tensors only. Convert it with `.to_dense()` before the call, or keep the sparse "
             "op outside the remat'd function."

@@ -144,12 +144,14 @@ def trace_failure(fn_name: str, error: BaseException) -> BaseException:
     if "leaf Variable that requires grad is being used in an in-place operation" in str(error):
         return RematTraceError(
             f"remat could not trace `{fn_name}`: it mutates in place an input that requires grad, at {where}. "
-            "Return the new value instead of mutating the input."
+            "Return the new value instead of mutating the input.",
+            replayable=False,
         )
     if isinstance(error, RematError) or _is_tracing_limit(error):
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         hint = f"\n{_STATIC_HINT}" if _is_tracing_limit(error) or "data" in first_line else ""
-        return RematTraceError(f"remat could not trace `{fn_name}` at {where}: {first_line}{hint}")
+        replayable = getattr(error, "replayable", True)
+        return RematTraceError(f"remat could not trace `{fn_name}` at {where}: {first_line}{hint}", replayable=replayable)
     if hasattr(error, "add_note"):
         error.add_note(f"(raised while remat traced `{fn_name}`, at {where}; the same call without remat raises it too)")
     return error

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from .._core.errors import RematTraceError
-from .._core.nodes import comes_after, source_line, written_arguments
+from .._core.nodes import comes_after, source_line, written_values
 from .._core.torch_internals import OpOverload
 from .passes import argument
 
@@ -33,21 +33,12 @@ _BATCH_NORMS_WITH_STATS = (
     _aten.cudnn_batch_norm.default,
     _aten.miopen_batch_norm.default,
 )
-# Ops that update running statistics although their schemas do not say so (torch 2.13).
-_UNDECLARED_MUTATIONS = {
-    _aten.native_batch_norm.default: (3, 4),
-    _aten._native_batch_norm_legit.default: (3, 4),
-    _aten.cudnn_batch_norm.default: (3, 4),
-    _aten.miopen_batch_norm.default: (3, 4),
-}
 
 
 def _mutated_arguments(node: torch.fx.Node) -> list[Any]:
     if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return []
-    if node.target in _UNDECLARED_MUTATIONS and node.args[5]:  # training: updates the statistics
-        return [node.args[i] for i in _UNDECLARED_MUTATIONS[node.target]]
-    return [node.args[i] if i < len(node.args) else node.kwargs.get(name) for i, name in written_arguments(node.target)]
+    return written_values(node.target, node.args, node.kwargs)
 
 
 def functionalize_remaining_mutations(gm: torch.fx.GraphModule, fn_name: str) -> None:
@@ -202,7 +193,8 @@ def outputs_for_mutations(gm: torch.fx.GraphModule, fn_name: str, input_paths: S
             if (example.is_floating_point() or example.is_complex()) and input_needs_grad[index]:
                 raise RematTraceError(
                     f"remat({fn_name}) mutates its input `{input_paths[index]}` in place, and "
-                    "that input requires grad. Return the new value instead of mutating the input."
+                    "that input requires grad. Return the new value instead of mutating the input.",
+                    replayable=False,
                 )
             mutated.append(index)
             written, value = node.args

@@ -169,7 +169,8 @@ class _GuardTracing(TorchFunctionMode):
             raise RematTraceError(
                 "`.backward()` accumulates into `.grad` as a side effect, which a traced graph cannot "
                 "repeat; use `torch.autograd.grad(..., create_graph=True)` (or torch.func.grad) inside the "
-                "region and return the gradients"
+                "region and return the gradients",
+                replayable=False,  # a second run (the recompute) would accumulate again
             )
         for arg in args:
             refuse_custom_function(arg)
@@ -447,7 +448,8 @@ def _refuse_stand_ins(fn_name: str, roots: list[tuple[str, Any]], out_static: li
             f"remat could not trace `{fn_name}`: it stores a tensor it computes in `{found}`. remat "
             "traces the function once with stand-in tensors and then runs a graph, so that object "
             "would hold stand-ins, not values. Return the value instead of storing it (for Hugging "
-            "Face models in training: `use_cache=False`, as their own gradient checkpointing sets)."
+            "Face models in training: `use_cache=False`, as their own gradient checkpointing sets).",
+            replayable=False,  # the object holds the trace's stand-ins now
         )
     for hook_call in hook_calls:
         if stand_in_path([("", hook_call.leaves)]) is not None:

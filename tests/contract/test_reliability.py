@@ -177,7 +177,7 @@ def test_the_plan_cache_is_bounded_and_retracing_warns_naming_what_changed() -> 
     with pytest.warns(RematRetraceWarning, match=r"traced 8 times.*argument scale: 7 -> 8"):
         for scale in range(1, 9):  # a static value: each one a trace (sizes would share a template)
             f(x, w, scale).sum().backward()
-    assert f.cache_info() == {"hits": 0, "traces": 8, "specialized": 0, "like": 0, "size": 4, "maxsize": 4}
+    assert f.cache_info() == {"hits": 0, "traces": 8, "specialized": 0, "like": 0, "replays": 0, "size": 4, "maxsize": 4}
     f(x, w, 8)  # among the 4 most recent: a hit
     f(x, w, 1)  # evicted: traced again
     assert f.cache_info()["hits"] == 1 and f.cache_info()["traces"] == 9

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import grad, vjp, vmap
 
+import remat as remat_package
 from remat import RematError, RematTraceError, remat
 from remat import policies as P
 from remat._core.torch_internals import torch_at_least
@@ -279,7 +280,7 @@ def test_value_dependent_ops_are_refused_naming_op_line_and_fix(name: str) -> No
         if name in REFUSED_UNDER_TRANSFORMS:
             torch.func.grad(remat(f))(x.detach())
         else:
-            remat(f)(x).backward()
+            remat(f, fallback=False)(x).backward()
     assert "test_found_by_oracles.py:" in str(error.value) and "outside the remat'd function" in str(error.value)
 
 
@@ -293,10 +294,15 @@ def test_an_op_whose_graph_building_derivative_reads_values_runs_under_backward(
         assert_close(actual.grad, expected.grad)
 
 
-def test_sparse_inputs_are_refused_naming_the_argument() -> None:
+def test_sparse_inputs_replay_or_are_refused_naming_the_argument() -> None:
     s = torch.eye(3, dtype=D).to_sparse()
+    x = torch.randn(3, 2, dtype=D, requires_grad=True)
+    f = lambda s, x: (s @ x).sin().sum()  # noqa: E731
     with pytest.raises(RematError, match=r"argument s is a torch.sparse_coo tensor.*to_dense"):
-        remat(lambda s, x: (s @ x).sum())(s, torch.randn(3, 2, dtype=D, requires_grad=True))
+        remat(f, fallback=False)(s, x)
+    with pytest.warns(remat_package.RematFallbackWarning, match="torch.sparse_coo"):
+        actual = torch.autograd.grad(remat(f)(s, x), x)
+    assert torch.equal(actual[0], torch.autograd.grad(f(s, x), x)[0])
 
 
 def test_an_op_with_integer_outputs() -> None:

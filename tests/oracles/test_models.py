@@ -17,6 +17,7 @@ Calling styles:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from collections.abc import Callable
@@ -119,18 +120,41 @@ def _backward_steps(case: Z.Case, model: torch.nn.Module, steps: int = 2) -> Any
     return losses, grads, _buffers(model), after
 
 
+def _assert_steps_match(actual: Any, expected: Any) -> None:
+    """`_backward_steps` of a remat'd model against its reference's: losses and gradients
+    close, buffers bitwise, the random stream after the same."""
+    (losses, grads, buffers, after), (ref_losses, ref_grads, ref_buffers, ref_after) = actual, expected
+    assert_close(losses, ref_losses)
+    assert_close(grads, ref_grads)
+    _assert_bitwise(buffers, ref_buffers)
+    assert torch.equal(after, ref_after), "global random stream differs from no remat after forward+backward"
+
+
 @pytest.mark.parametrize("policy_name", list(MODEL_POLICIES))
 @pytest.mark.parametrize("case_name", list(CASES))
 def test_backward_matches_no_remat(case_name: str, policy_name: str) -> None:
     case = CASES[case_name]
     model, reference = _pair(case, policy_name)
-    losses, grads, buffers, after = _backward_steps(case, model)
-    ref_losses, ref_grads, ref_buffers, ref_after = _backward_steps(case, reference)
-    assert_close(losses, ref_losses)
-    assert_close(grads, ref_grads)
-    _assert_bitwise(buffers, ref_buffers)
-    assert torch.equal(after, ref_after), "global random stream differs from no remat after forward+backward"
+    _assert_steps_match(_backward_steps(case, model), _backward_steps(case, reference))
     _assert_rematerialized(case, model, hits=1)
+
+
+@pytest.mark.parametrize("policy_name", list(MODEL_POLICIES))
+@pytest.mark.parametrize("case_name", [case.name for case in Z.REPLAYED_CASES])
+def test_layers_remat_cannot_trace_train_as_without_remat(case_name: str, policy_name: str) -> None:
+    """Bloom's custom GeLU Function, Mixtral's and Qwen3-MoE's eager experts (dropout and
+    router jitter on): each layer runs replayed, saying why once, and two training steps
+    equal no remat: losses, gradients, buffers and the random stream after."""
+    case = next(c for c in Z.REPLAYED_CASES if c.name == case_name)
+    torch.manual_seed(0)
+    reference = case.build()
+    model = copy.deepcopy(reference)
+    remat.checkpoint_layers(case.layers(model), MODEL_POLICIES[policy_name])
+    with pytest.warns(remat.RematFallbackWarning, match="GeLUFunction|aten.nonzero"):
+        actual = _backward_steps(case, model)
+    _assert_steps_match(actual, _backward_steps(case, reference))
+    for layer in case.layers(model):
+        assert layer.forward.cache_info()["replays"] == 2, layer.forward.cache_info()
 
 
 # ---------------------------------------------------------------- functional_call + grad
@@ -241,17 +265,33 @@ def test_resnet_block_functional_call_with_buffers_matches_no_remat(policy_name:
 # ---------------------------------------------------------------- things that are not a plain oracle
 
 
-def test_mixtral_style_moe_with_data_dependent_routing_is_refused_naming_the_op() -> None:
-    """Mixtral's `torch.where(expert_mask[e])` gives a data-dependent shape: remat refuses."""
+@pytest.mark.parametrize("policy_name", list(BUILT_IN_POLICIES))
+def test_mixtral_style_moe_with_data_dependent_routing_replays_as_without_remat(policy_name: str) -> None:
+    """Mixtral's `torch.where(expert_mask[e])` gives a data-dependent shape, which remat
+    cannot trace: the layer runs as torch.utils.checkpoint runs it, saying why, and trains
+    as without remat; with fallback=False it is refused naming the line and the op."""
     torch.manual_seed(0)
     reference = Z.MoEModel(Z.MixtralMoE).to(Z.D).train()
     model = copy.deepcopy(reference)
-    remat.checkpoint_layers(model.blocks, P.dots_saveable)
+    remat.checkpoint_layers(model.blocks, BUILT_IN_POLICIES[policy_name])
     batch = Z._tokens(Z.BATCH)
-    Z._lm_loss(reference(batch["input_ids"]), batch).backward()  # fine without remat
     line = r"model_zoo\.py:\d+ \(`slot, token = torch\.where\(expert_mask\[e\]\)`\)"
+    for step in range(2):  # the experts' dropout draws alike, and leaves the stream alike
+        torch.manual_seed(step)
+        expected = Z._lm_loss(reference(batch["input_ids"]), batch)
+        expected.backward()
+        expected_draw = torch.rand(1)
+        torch.manual_seed(step)
+        with pytest.warns(remat.RematFallbackWarning, match=line + r".*aten\.nonzero") if step == 0 else contextlib.nullcontext():
+            actual = Z._lm_loss(model(batch["input_ids"]), batch)
+        actual.backward()
+        assert torch.equal(actual, expected) and torch.equal(torch.rand(1), expected_draw)
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.equal(p.grad, q.grad), name
+    strict = copy.deepcopy(reference)
+    remat.checkpoint_layers(strict.blocks, BUILT_IN_POLICIES[policy_name], fallback=False)
     with pytest.raises(RematError, match=line + r".*aten\.nonzero"):
-        model(batch["input_ids"])
+        strict(batch["input_ids"])
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])

@@ -107,7 +107,7 @@ def mistral(attn_implementation: str) -> nn.Module:
 # The MoE models route with `output_router_logits=True` (their load-balancing loss, as they
 # train) and router jitter on. Their experts run as "batched_mm": transformers' "eager" loop
 # over `nonzero()` of the routing mask has shapes that depend on values.
-def mixtral(attn_implementation: str) -> nn.Module:
+def mixtral(attn_implementation: str, experts: str = "batched_mm") -> nn.Module:
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
@@ -116,11 +116,11 @@ def mixtral(attn_implementation: str) -> nn.Module:
         num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.1, attention_dropout=DROPOUT,
         output_router_logits=True, router_aux_loss_coef=0.5, use_cache=False,
     )
-    config._experts_implementation = "batched_mm"
+    config._experts_implementation = experts
     return _hf(config, MixtralForCausalLM, attn_implementation)
 
 
-def qwen3_moe(attn_implementation: str) -> nn.Module:
+def qwen3_moe(attn_implementation: str, experts: str = "batched_mm") -> nn.Module:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -129,8 +129,21 @@ def qwen3_moe(attn_implementation: str) -> nn.Module:
         max_position_embeddings=2 * SEQ, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
         attention_dropout=DROPOUT, output_router_logits=True, router_aux_loss_coef=0.5, use_cache=False,
     )
-    config._experts_implementation = "batched_mm"
+    config._experts_implementation = experts
     return _hf(config, Qwen3MoeForCausalLM, attn_implementation)
+
+
+def bloom(attn_implementation: str) -> nn.Module:
+    """Bloom's MLP runs its GeLU as a custom torch.autograd.Function in training."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    config = BloomConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, n_layer=LAYERS, n_head=HEADS, hidden_dropout=DROPOUT,
+        attention_dropout=DROPOUT, use_cache=False,
+    )
+    return _hf(config, BloomForCausalLM, attn_implementation)
+
+
 
 
 def _tokens(n: int) -> dict[str, torch.Tensor]:
@@ -163,6 +176,15 @@ HF_CASES = [
         ("bert", bert, lambda m: m.bert.encoder.layer, _padded_tokens, _tokens),
     ]
     for impl in ("sdpa", "eager")
+]
+
+# Models remat cannot trace a layer of, each with why: their layers run replayed (as
+# torch.utils.checkpoint runs them) outside torch.func transforms.
+REPLAYED_CASES = [
+    Case("bloom-eager", lambda: bloom("eager"), lambda m: m.transformer.h, _tokens, _hf_loss),  # GeLUFunction
+    # transformers' eager experts: a Python loop over nonzero() of the routing mask
+    Case("mixtral-eager-experts", lambda: mixtral("sdpa", experts="eager"), lambda m: m.model.layers, _tokens, _hf_loss),
+    Case("qwen3-moe-eager-experts", lambda: qwen3_moe("sdpa", experts="eager"), lambda m: m.model.layers, _tokens, _hf_loss),
 ]
 
 

@@ -1,0 +1,222 @@
+"""Replaying: a region remat cannot trace runs as torch.utils.checkpoint runs it.
+
+Where a function cannot become a graph (shapes that depend on data looped over in Python,
+a custom autograd.Function, a hook in backward...) and no torch.func transform is active,
+the region runs under non-reentrant `torch.utils.checkpoint`: its Python runs in forward
+and again in backward to recompute what was not kept. Three things make that exact:
+
+- the region's policy is asked op by op (torch's selective checkpointing), with the same
+  meta tensors as in a trace; a `checkpoint_name` is a named copy the policy can keep;
+- the random stream is checkpoint's own (the generators' states restored for recompute);
+- tensors the region changes in place that it did not make (BatchNorm's running
+  statistics, a counter) are recorded before their first change in forward; the
+  recompute starts from those values and they are put back after it, so such state is
+  updated once, as without remat (checkpoint alone updates it twice).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import weakref
+from typing import Any, Callable
+
+import optree
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from remat.policies import MemoryBudget, nothing_saveable
+
+from .._core.errors import RematError
+from .._core.nodes import written_values
+from .._core.torch_internals import SacEntry
+from .._partition.compiling import NAMED_COPY, Decisions
+
+_REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_replaying", default=False)
+
+
+def replaying() -> bool:
+    """Whether a replayed region runs (`checkpoint_name` then makes a named copy)."""
+    return _REPLAYING.get()
+
+
+def replay(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], policy: Callable[..., Any] | None, region: str
+) -> Any:
+    """`fn(*args, **kwargs)` as a checkpointed region under `policy`, op by op."""
+    contexts = functools.partial(_contexts, policy, region)
+    function = functools.partial(fn, **kwargs) if kwargs else fn  # checkpoint's own keywords stay the function's
+    token = _REPLAYING.set(True)
+    try:
+        return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True)
+    finally:
+        _REPLAYING.reset(token)
+
+
+def replays_op_by_op(policy: Callable[..., Any] | None) -> bool:
+    """Whether a replayed region asks `policy` op by op: not for a policy that keeps
+    nothing, nor for a memory budget (it chooses by tracing; a replayed region under one
+    recomputes everything, the least it can keep)."""
+    return policy is not None and policy is not nothing_saveable and not isinstance(policy, MemoryBudget)
+
+
+def _contexts(policy: Callable[..., Any] | None, region: str) -> tuple[Any, Any]:
+    """checkpoint's (forward, recompute) contexts for one call of the region."""
+    if not replays_op_by_op(policy):
+        writes = _ExternalWrites(region, None)
+        return _Entered(writes), _Entered(_Rewound(writes))
+    decisions = _ReplayDecisions(policy, region)
+    caching, cached = create_selective_checkpoint_contexts(decisions)
+    decisions.caching = caching
+    writes = _ExternalWrites(region, decisions)
+    return _Entered(caching, writes), _Entered(_Rewound(writes), cached)
+
+
+class _Entered:
+    """Context managers entered in order and left in reverse, re-enterable (checkpoint
+    enters the recompute context once per recompute)."""
+
+    def __init__(self, *managers: Any) -> None:
+        self.managers = managers
+
+    def __enter__(self) -> None:
+        for manager in self.managers:
+            manager.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for manager in reversed(self.managers):
+            manager.__exit__(*exc)
+
+
+class _ReplayDecisions(Decisions):
+    """The policy asked op by op in eager code. An Offload answer keeps the value on its
+    device (a replayed region moves nothing). A name is asked about when the named copy
+    runs, as under compile: kept, the value of the op that produced it is kept (or the
+    copy, where that op had several outputs). An op that writes in place is never kept
+    (the recompute writes again, from the values before), and a kept value the region
+    later changes in place is recomputed instead (selective checkpointing would give the
+    changed value, or refuse)."""
+
+    def __init__(self, policy: Callable[..., Any] | None, region: str) -> None:
+        super().__init__(policy, region)
+        self.caching: Any = None  # the caching mode these decisions serve
+        self.kept: dict[tuple[torch.device, int], list[SacEntry]] = {}
+        # the last single-output op call of each storage, for a name given to its output
+        self.made_by: dict[tuple[torch.device, int], tuple[weakref.ref[torch.Tensor], SacEntry]] = {}
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op._schema.is_mutable:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        out = ctx.op_output
+        if op is NAMED_COPY:
+            return self._named(op, args[0], args[1])
+        tag = super().__call__(ctx, op, *args, **kwargs)
+        single = _has_storage(out)
+        if tag is CheckpointPolicy.MUST_SAVE or single:
+            entry = SacEntry(self.caching, op, args)
+            if single:
+                self.made_by[_storage_key(out)] = (weakref.ref(out), entry)
+            if tag is CheckpointPolicy.MUST_SAVE:
+                for value in optree.tree_leaves(out):  # type: ignore[arg-type]
+                    if _has_storage(value):
+                        self.kept.setdefault(_storage_key(value), []).append(entry)
+        return tag
+
+    def _named(self, op: Any, value: torch.Tensor, name: str) -> CheckpointPolicy:
+        if self.answer(op, (value,), {}, name) is not CheckpointPolicy.MUST_SAVE or not _has_storage(value):
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        key = _storage_key(value)
+        made = self.made_by.get(key)
+        if made is None or made[0]() is not value:
+            return CheckpointPolicy.MUST_SAVE  # not one op's only output: keep the copy
+        made[1].keep(value)
+        self.kept.setdefault(key, []).append(made[1])
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def tag(self, op: Any, answer: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if answer else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def written(self, key: tuple[torch.device, int]) -> None:
+        """The region changes memory `key` in place: what was kept there is recomputed."""
+        for entry in self.kept.pop(key, ()):
+            entry.forget()
+        self.made_by.pop(key, None)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:
+    return t.device, t.untyped_storage().data_ptr()
+
+
+def _has_storage(value: Any) -> bool:
+    """A plain dense tensor with memory (a storage remat can key and copy)."""
+    return type(value) in (torch.Tensor, torch.nn.Parameter) and value.layout == torch.strided and value.device.type != "meta"
+
+
+class _ExternalWrites(TorchDispatchMode):
+    """While the region runs forward: the storages it allocates, and for each tensor it
+    changes in place that it did not allocate, that storage's bytes before the first
+    change (a tensor held by a module, a closure or the caller)."""
+
+    def __init__(self, region: str, decisions: _ReplayDecisions | None) -> None:
+        super().__init__()
+        self.region = region
+        self.decisions = decisions
+        self.made: set[tuple[torch.device, int]] = set()
+        self.before: dict[tuple[torch.device, int], tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        written = written_values(func, args, kwargs)
+        for tensor in optree.tree_leaves(written):  # type: ignore[arg-type]
+            if isinstance(tensor, torch.Tensor):
+                self._remember(func, tensor)
+        out = func(*args, **kwargs)
+        given = {_storage_key(t) for t in optree.tree_leaves((args, kwargs)) if _has_storage(t)}  # type: ignore[arg-type]
+        for value in optree.tree_leaves(out):  # type: ignore[arg-type]
+            if _has_storage(value) and _storage_key(value) not in given:  # new memory, not a view or a write
+                self.made.add(_storage_key(value))
+        return out
+
+    def _remember(self, func: Any, tensor: torch.Tensor) -> None:
+        try:
+            key = _storage_key(tensor)
+        except (RuntimeError, NotImplementedError):
+            raise RematError(
+                f"remat({self.region}): the region cannot be traced, so it runs as torch.utils.checkpoint runs it, "
+                f"and {func} changes in place a {type(tensor).__name__} it did not make, whose memory remat cannot "
+                "read to restore it for the recompute (which would change it a second time). Make the change "
+                "outside the region, or out of place."
+            ) from None
+        if self.decisions is not None:
+            self.decisions.written(key)
+        if key in self.made or key in self.before:
+            return
+        storage = tensor.untyped_storage()
+        self.before[key] = (storage, storage.clone())
+
+
+class _Rewound:
+    """The recompute's context: the storages the forward changed hold their values from
+    before the forward while it runs, and their values from after it once it is done."""
+
+    def __init__(self, writes: _ExternalWrites) -> None:
+        self.writes = writes
+        self.after: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+
+    def __enter__(self) -> None:
+        self.after = [(storage, storage.clone()) for storage, _ in self.writes.before.values()]
+        for storage, before in self.writes.before.values():
+            storage.copy_(before)
+
+    def __exit__(self, *exc: Any) -> None:
+        for storage, after in self.after:
+            storage.copy_(after)
+        self.after = []
+
+
+def replay_note(policy: Callable[..., Any] | None) -> str:
+    """What a replayed region does under `policy` that a traced one does otherwise."""
+    if isinstance(policy, MemoryBudget):
+        return f" Under {policy!r} it recomputes everything (a budget chooses what to keep by tracing)."
+    return " A value the policy offloads stays on its device." if policy is not None else ""

@@ -1,0 +1,253 @@
+"""A region remat cannot trace runs as torch.utils.checkpoint runs it (its Python again in
+backward): the oracle is the same function without remat, bitwise (the same ops run, in
+the same order), under every built-in policy, with the random stream and in-place state
+(BatchNorm statistics, counters) as without remat, the policy asked op by op, a warning
+once per region, and an error under torch.func transforms or with fallback=False."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from remat import RematFallbackWarning, RematTraceError, checkpoint_name, remat
+from remat import policies as P
+
+from conftest import BUILT_IN_POLICIES
+
+POLICIES = {**BUILT_IN_POLICIES, "names": P.save_only_these_names("h"), "offload": P.offload_dot_with_no_batch_dims()}
+
+
+class _Straight(torch.autograd.Function):
+    """A straight-through estimator: saves nothing, its backward passes the gradient on."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.round()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+class _Attention(torch.autograd.Function):
+    """Flash-attention-shaped: saves its inputs, its output and a logsumexp; the backward is
+    its own formula; a second output (the logsumexp) is marked non-differentiable."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = q @ k.transpose(-1, -2)
+        lse = scores.logsumexp(-1, keepdim=True)
+        out = (scores - lse).exp() @ v
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v, out, lse = ctx.saved_tensors
+        p = (q @ k.transpose(-1, -2) - lse).exp()
+        dv = p.transpose(-1, -2) @ g
+        dp = g @ v.transpose(-1, -2)
+        ds = p * (dp - (g * out).sum(-1, keepdim=True))
+        return ds @ k, ds.transpose(-1, -2) @ q, dv
+
+
+def _data_dependent(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = checkpoint_name(torch.sin(x @ w), "h")
+    return (h[h > 0] ** 2).sum() + h.sum()
+
+
+def _reads_a_number(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = checkpoint_name(torch.sin(x @ w), "h")
+    return (h * h.sum().item()).sum()
+
+
+def _custom_functions(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = checkpoint_name(torch.sin(x @ w), "h")
+    out, lse = _Attention.apply(h, x, x.cos())
+    return (_Straight.apply(out * 3) * out).sum() + lse.sum().detach()
+
+
+def _tensor_hook(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = checkpoint_name(torch.sin(x @ w), "h")
+    h.register_hook(lambda g: g * 2)
+    return (h.relu() @ w).sum()
+
+
+def _in_place_after_a_kept_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """dots_saveable keeps `x @ w`, which the region then changes in place (relu_ as in
+    torchvision's inplace ReLUs); nonzero makes it untraceable."""
+    h = x @ w
+    h.relu_()
+    h = h * 2
+    h.add_(1)
+    return (h[h > 1.5].sum() + (h @ w).sum()) * x.shape[0]
+
+
+FUNCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "data-dependent shape": _data_dependent,
+    ".item()": _reads_a_number,
+    "custom autograd.Functions": _custom_functions,
+    "tensor hook inside": _tensor_hook,
+    "in place after a kept matmul": _in_place_after_a_kept_matmul,
+}
+
+
+def _grads(f: Callable[..., torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, dtype=dtype, requires_grad=True)
+    w = torch.randn(4, 4, dtype=dtype, requires_grad=True)
+    out = f(x, w)
+    out.backward()
+    return (out.detach(), x.grad, w.grad)  # type: ignore[return-value]
+
+
+def _assert_bitwise(actual: Any, expected: Any) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected):
+        assert a.dtype == e.dtype and torch.equal(a, e), (a, e)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_an_untraceable_region_is_bitwise_as_without_remat(name: str, policy_name: str, dtype: torch.dtype) -> None:
+    f = FUNCTIONS[name]
+    region = remat(f, policy=POLICIES[policy_name])
+    expected = _grads(f, dtype)
+    with pytest.warns(RematFallbackWarning, match=r"(?s)could not be traced.*Why: .*fallback=False"):
+        _assert_bitwise(_grads(region, dtype), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per region: the second call says nothing, nor traces
+        _assert_bitwise(_grads(region, dtype), expected)
+    assert region.cache_info()["traces"] == 1 and region.cache_info()["replays"] == 2
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_under_a_transform_or_with_fallback_off_an_untraceable_region_raises(name: str) -> None:
+    f = FUNCTIONS[name]
+    x, w = torch.randn(6, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64)
+    with pytest.raises(RematTraceError):
+        torch.func.grad(remat(f), argnums=1)(x, w)
+    with pytest.raises(RematTraceError):
+        remat(f, fallback=False)(x, w.requires_grad_())
+
+
+class _Block(torch.nn.Module):
+    """BatchNorm (running statistics updated in place), a counter updated in place and
+    read, dropout, a full backward hook, and a data-dependent shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.norm = torch.nn.BatchNorm1d(4, dtype=torch.float64)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.hooked: list[torch.Tensor] = []
+        self.linear.register_full_backward_hook(lambda m, grad_in, grad_out: self.hooked.append(grad_out[0].sum()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)  # and read after: the recompute must see the value the forward saw
+        h = torch.nn.functional.dropout(self.norm(self.linear(x)), 0.3) * self.calls
+        rows = (h.sum(-1) > 0).nonzero()[:, 0]
+        return h.sum() + h[rows].pow(2).sum()
+
+
+def _train(block: torch.nn.Module, original: _Block, steps: int = 3) -> list[Any]:
+    seen = []
+    x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    for step in range(steps):
+        torch.manual_seed(step)
+        block(x).backward()
+        seen.append([t.detach().clone() for t in (x.grad, *(p.grad for p in original.parameters()))])
+        seen.append([b.clone() for b in original.buffers()] + [torch.rand(3)])  # state, and the stream after
+    seen.append(torch.stack(original.hooked))
+    return seen
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_module_state_random_stream_and_backward_hooks_are_as_without_remat(policy_name: str) -> None:
+    """torch.utils.checkpoint alone updates BatchNorm's statistics and the counter twice
+    per step; a replayed region once, as without remat."""
+    torch.manual_seed(0)
+    reference, block = _Block(), _Block()
+    block.load_state_dict(reference.state_dict())
+    expected = _train(reference, reference)
+    with pytest.warns(RematFallbackWarning, match=r"aten\.nonzero|full backward hook"):
+        actual = _train(remat(block, policy=POLICIES[policy_name]), block)
+    for a, e in zip(actual, expected):
+        _assert_bitwise(a, e)
+    assert block.calls.item() == 3 and block.norm.num_batches_tracked.item() == 3
+
+
+class _BackwardOps(TorchDispatchMode):
+    """Counts the ops autograd runs in backward (a recompute's too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_ops(f: Callable[..., torch.Tensor]) -> list[str]:
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    out = f(x, w)
+    with _BackwardOps() as counted:
+        out.backward()
+    return counted.ops
+
+
+def test_a_replayed_region_asks_its_policy_op_by_op() -> None:
+    """What the policy keeps is not recomputed in backward: dots_saveable recomputes no
+    matmul, save_only_these_names("h") not the named sin, nothing_saveable both."""
+    eager = _backward_ops(_data_dependent)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RematFallbackWarning)
+        nothing = _backward_ops(remat(_data_dependent, policy=P.nothing_saveable))
+        dots = _backward_ops(remat(_data_dependent, policy=P.dots_saveable))
+        named = _backward_ops(remat(_data_dependent, policy=P.save_only_these_names("h")))
+    assert eager.count("sin") == 0 and nothing.count("sin") == 1 and dots.count("sin") == 1 and named.count("sin") == 0
+    assert nothing.count("mm") == eager.count("mm") + 1 and dots.count("mm") == eager.count("mm")
+
+
+def test_with_fallback_off_a_custom_function_is_refused_naming_it_the_line_and_the_fix() -> None:
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RematTraceError, match=r"custom torch.autograd.Function `.*Straight`.*test_fallback.py:\d+.*custom_op"):
+        remat(lambda x: _Straight.apply(x * 2).sum(), fallback=False)(x)
+
+
+def test_what_a_second_run_would_repeat_is_refused_even_by_replay() -> None:
+    """`.backward()` inside a region accumulates `.grad`; a replay would do it twice."""
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+
+    def steps(x: torch.Tensor) -> torch.Tensor:
+        (x * w).sum().backward(retain_graph=True)
+        return x.sin().sum()
+
+    with pytest.raises(RematTraceError, match=r"\.backward\(\)"):
+        remat(steps)(torch.randn(3, dtype=torch.float64, requires_grad=True))
+
+
+def test_expanded_weights_per_sample_gradients_are_as_without_remat() -> None:
+    """`call_for_per_sample_grads` (Opacus' "ew" mode) hands a region ExpandedWeights,
+    which remat cannot trace: the region replays, and every per-sample gradient is exact."""
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=torch.float64), torch.nn.Tanh(), torch.nn.Linear(4, 2, dtype=torch.float64))
+    x = torch.randn(5, 4, dtype=torch.float64)
+    call_for_per_sample_grads(model)(x).sum().backward()
+    expected = [p.grad_sample.clone() for p in model.parameters()]  # type: ignore[attr-defined]
+    for p in model.parameters():
+        del p.grad_sample  # type: ignore[attr-defined]
+    rematted = torch.nn.Sequential(remat(model[0], policy=P.dots_saveable), model[1], remat(model[2]))
+    with pytest.warns(RematFallbackWarning, match="ExpandedWeight"):
+        call_for_per_sample_grads(rematted)(x).sum().backward()
+    _assert_bitwise([p.grad_sample for p in model.parameters()], expected)  # type: ignore[attr-defined]
