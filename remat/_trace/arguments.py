@@ -22,10 +22,16 @@ from typing import Any, Callable, Iterator, Sequence
 import optree
 import torch
 
-from .._core.errors import RematError, RematStateWarning, RematTraceError
+from .._core.errors import RematStateWarning, RematTraceError
 from .._core.locking import TRACE_LOCK
 from .._core.sources import is_installed_code, is_user_class
-from .._core.torch_internals import autocast_state, is_expanded_weight, nested_gradients, transform_levels, transforms_active
+from .._core.torch_internals import (
+    autocast_state,
+    is_expanded_weight,
+    nested_gradients,
+    transform_levels,
+    transforms_active,
+)
 
 
 @dataclass(frozen=True, repr=False)

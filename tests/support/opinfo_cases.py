@@ -52,8 +52,9 @@ def op_id(op: Any) -> str:
 
 OPS = {op_id(op): op for op in op_db if op.supports_autograd and D in op.supported_dtypes("cpu")}
 
-# Ops remat refuses with a RematError naming the op; each with the reason. A refusal of any
-# other op fails the sweep.
+# Ops remat cannot trace, each with the reason: refused with a RematError naming the op
+# under torch.func transforms, replayed (run as torch.utils.checkpoint runs them) under
+# `.backward()`. A refusal or a replay of any other op fails the sweep.
 KNOWN_REFUSALS = {
     "masked_select": "output shape depends on the values of the mask",
     "combinations": "lowers to masked_select: output shape depends on values",
@@ -224,8 +225,18 @@ def run_case(op_name: str, transform: str) -> list[tuple[str, str, str]]:
             where = f"{op_name}, {transform}, sample {index}, {policy}"
             region = remat(case.fn, policy=POLICIES[policy])
             matched = _matches(op_name, where, lambda: runner(region, case), expected)
-            rows.append((str(index), policy, "pass" if matched else "refused"))
+            rows.append((str(index), policy, _replayed(op_name, where, region) if matched else "refused"))
     return rows
+
+
+def _replayed(op_name: str, where: str, region: Any, matched: str = "pass") -> str:
+    """`matched`, or "replayed" where the region could not be traced and ran as
+    torch.utils.checkpoint runs it (only a known refusal may)."""
+    if not region.cache_info()["replays"]:
+        return matched
+    if op_name not in KNOWN_REFUSALS:
+        raise AssertionError(f"{where}: replayed (could not be traced), and not a known refusal")
+    return "replayed"
 
 
 def _matches(op_name: str, where: str, run: Callable[[], Any], expected: Any) -> bool:
@@ -291,7 +302,8 @@ def run_shared_case(op_name: str, transform: str) -> list[tuple[str, str, str]]:
         region_a = remat(case_a.fn, policy=P.nothing_saveable)
         runner(region_a, case_a)
         before = len(joints)
-        actual = runner(remat(case_b.fn, policy=P.nothing_saveable), case_b)
+        region_b = remat(case_b.fn, policy=P.nothing_saveable)
+        actual = runner(region_b, case_b)
     except RematError as error:
         if op_name not in KNOWN_REFUSALS:
             raise AssertionError(f"{where}: refused, and not a known refusal: {error}") from error
@@ -304,7 +316,7 @@ def run_shared_case(op_name: str, transform: str) -> list[tuple[str, str, str]]:
         torch.testing.assert_close(actual, expected, equal_nan=True)
     except AssertionError as error:
         raise AssertionError(f"{where}: WRONG result: {error}") from None
-    return [("0", "nothing", "shared" if len(joints) == before else "pass")]
+    return [("0", "nothing", _replayed(op_name, where, region_b, "shared" if len(joints) == before else "pass"))]
 
 
 # OpInfo's sample functions size their tensors with the module constants S and M (5 and 10):
@@ -405,8 +417,11 @@ def _resized_call(
     except Exception:
         return (str(index), "nothing", "torch-cant")
     specialized = region.cache_info()["specialized"]
+    replays = region.cache_info()["replays"]
     if not _matches(op_name, where, lambda: transform_backward(region, case), expected):
         return (str(index), "nothing", "refused")
+    if region.cache_info()["replays"] > replays:
+        return (str(index), "nothing", _replayed(op_name, where, region))
     return (str(index), "nothing", "specialized" if region.cache_info()["specialized"] > specialized else "traced")
 
 
