@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import functools
@@ -166,7 +167,9 @@ class Rematerialized:
         if not isinstance(fallback, bool):
             raise TypeError(f"remat: fallback must be True or False, got {fallback!r}")
         self.fallback = fallback
-        self._replayed: dict[Any, str] = {}  # call keys that could not be traced: why
+        # call keys that could not be traced (why), the newest cache_size of them: a key can hold
+        # an argument object by identity (a new cache object each step), which it keeps alive
+        self._replayed: collections.OrderedDict[Any, str] = collections.OrderedDict()
         self._dynamic_region: Callable[..., Any] | None = None
         self._plans = self._plans_for(policy)
         self._hits = 0
@@ -204,7 +207,7 @@ class Rematerialized:
         state["_dynamic_region"] = None
         state["_captures"] = CaptureMemo()  # holds setters (closures), and is a cache
         state["_hits"] = state["_traces"] = state["_specialized"] = state["_replays"] = 0
-        state["_replayed"] = {}
+        state["_replayed"] = collections.OrderedDict()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -252,6 +255,8 @@ class Rematerialized:
                             raise
                         self._say_replayed(error, policy)
                         self._replayed[call.key] = str(error)
+                        if len(self._replayed) > self.cache_size:
+                            self._replayed.popitem(last=False)
                         plan = MISSING
                     else:
                         offsets = call.storage_offsets() if plan is not None and plan.stage_one.reads_storage_offsets else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import functools
 import itertools
 import logging
 from typing import Any, Callable, Iterator, Sequence
@@ -615,6 +616,52 @@ def below_autograd(keyset: Any) -> Any:
 
 
 # --- selective checkpointing's cache (torch 2.13: utils/checkpoint.py) -----------------------
+
+
+def selective_checkpoint_contexts(policy_fn: Callable[..., Any]) -> tuple[Any, Any]:
+    """`create_selective_checkpoint_contexts(policy_fn)`, except that a kept value serves
+    every recompute, not only the first: torch's cached mode consumes each kept value, so
+    a second backward through the region (a gradient of a gradient, `retain_graph=True`)
+    raises "backward an extra time", where eager code and plain checkpoint run it. The
+    kept values live as long as the region's backward graph, as its saved tensors would.
+    (Before torch 2.13, torch's own contexts.)"""
+    from torch.utils.checkpoint import _CachingTorchDispatchMode, create_selective_checkpoint_contexts
+
+    cache = _repeatable_cache_class()
+    if cache is None:
+        return create_selective_checkpoint_contexts(policy_fn)
+    storage: dict[Any, dict[int, Any]] = collections.defaultdict(dict)
+    return _CachingTorchDispatchMode(policy_fn, storage), cache(None, storage)
+
+
+@functools.cache
+def _repeatable_cache_class() -> type | None:
+    """torch's cached mode (its __torch_dispatch__ in torch 2.13) without consuming entries."""
+    try:
+        from torch.utils._pytree import tree_map
+        from torch.utils.checkpoint import _RECOMPUTE, SAC_IGNORED_OPS, _CachedTorchDispatchMode, _sac_storage_key
+    except ImportError:
+        return None
+
+    class RepeatableCache(_CachedTorchDispatchMode):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            if func in SAC_IGNORED_OPS:
+                return func(*args, **kwargs)
+            key = _sac_storage_key(func, args)
+            index = self.func_counter[key]  # reset when a recompute enters the mode
+            self.func_counter[key] += 1
+            entry = self.storage.get(key, {}).get(index)
+            if entry is None:
+                raise RuntimeError(
+                    f"remat: the recompute of a replayed region calls {func} (call {index}), which its forward "
+                    "did not: the region's Python ran differently in backward (global state changed since?)"
+                )
+            if entry is _RECOMPUTE:
+                return func(*args, **kwargs)
+            return tree_map(lambda x: x.get_val(self.allow_cache_entry_mutation), entry)
+
+    return RepeatableCache
 
 
 class SacEntry:

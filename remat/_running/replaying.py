@@ -3,7 +3,7 @@
 Where a function cannot become a graph (shapes that depend on data looped over in Python,
 a custom autograd.Function, a hook in backward...) and no torch.func transform is active,
 the region runs under non-reentrant `torch.utils.checkpoint`: its Python runs in forward
-and again in backward to recompute what was not kept. Three things make that exact:
+and again in backward to recompute what was not kept. What makes that exact:
 
 - the region's policy is asked op by op (torch's selective checkpointing), with the same
   meta tensors as in a trace; a `checkpoint_name` is a named copy the policy can keep;
@@ -11,27 +11,36 @@ and again in backward to recompute what was not kept. Three things make that exa
 - tensors the region changes in place that it did not make (BatchNorm's running
   statistics, a counter) are recorded before their first change in forward; the
   recompute starts from those values and they are put back after it, so such state is
-  updated once, as without remat (checkpoint alone updates it twice).
+  updated once, as without remat (checkpoint alone updates it twice);
+- the recompute's Python sees what the forward saw and leaves no trace: the objects the
+  region reaches and the names it can rebind hold, while it runs, what they held when the
+  forward started (a cache the forward filled is empty again), and afterwards what they
+  held before it; the forward hooks of its modules ran in forward and are not called
+  again (unless one replaced a value);
+- a kept value serves every recompute, so a gradient of a gradient runs as in eager code.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 
 from remat.policies import MemoryBudget, nothing_saveable
 
 from .._core.errors import RematError
 from .._core.nodes import written_values
-from .._core.torch_internals import SacEntry
+from .._core.torch_internals import SacEntry, selective_checkpoint_contexts
 from .._partition.compiling import NAMED_COPY, Decisions
+from .._trace.hooks import ReplayedHooks
+from .._trace.reachable import Snapshot, modules_reached, roots_of
 
 _REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_replaying", default=False)
 
@@ -45,7 +54,8 @@ def replay(
     fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], policy: Callable[..., Any] | None, region: str
 ) -> Any:
     """`fn(*args, **kwargs)` as a checkpointed region under `policy`, op by op."""
-    contexts = functools.partial(_contexts, policy, region)
+    roots = roots_of(fn, [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items()))
+    contexts = functools.partial(_contexts, policy, region, fn, roots)
     function = functools.partial(fn, **kwargs) if kwargs else fn  # checkpoint's own keywords stay the function's
     token = _REPLAYING.set(True)
     try:
@@ -61,16 +71,20 @@ def replays_op_by_op(policy: Callable[..., Any] | None) -> bool:
     return policy is not None and policy is not nothing_saveable and not isinstance(policy, MemoryBudget)
 
 
-def _contexts(policy: Callable[..., Any] | None, region: str) -> tuple[Any, Any]:
+def _contexts(
+    policy: Callable[..., Any] | None, region: str, fn: Callable[..., Any], roots: list[tuple[str, Any]]
+) -> tuple[Any, Any]:
     """checkpoint's (forward, recompute) contexts for one call of the region."""
+    python = _PythonState(fn, roots)
     if not replays_op_by_op(policy):
         writes = _ExternalWrites(region, None)
-        return _Entered(writes), _Entered(_Rewound(writes))
+        return _Entered(_Reentrant(python.forward), writes), _Entered(_Reentrant(python.recompute), _Rewound(writes))
     decisions = _ReplayDecisions(policy, region)
-    caching, cached = create_selective_checkpoint_contexts(decisions)
+    caching, cached = selective_checkpoint_contexts(decisions)
     decisions.caching = caching
     writes = _ExternalWrites(region, decisions)
-    return _Entered(caching, writes), _Entered(_Rewound(writes), cached)
+    forward, recompute = _Reentrant(python.forward), _Reentrant(python.recompute)
+    return _Entered(forward, caching, writes), _Entered(recompute, _Rewound(writes), cached)
 
 
 class _Entered:
@@ -87,6 +101,22 @@ class _Entered:
     def __exit__(self, *exc: Any) -> None:
         for manager in reversed(self.managers):
             manager.__exit__(*exc)
+
+
+class _Reentrant:
+    """A context manager made anew by `make` each time it is entered."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+        self.entered: list[Any] = []
+
+    def __enter__(self) -> None:
+        manager = self.make()
+        manager.__enter__()
+        self.entered.append(manager)
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.entered.pop().__exit__(*exc)
 
 
 class _ReplayDecisions(Decisions):
@@ -213,6 +243,36 @@ class _Rewound:
         for storage, after in self.after:
             storage.copy_(after)
         self.after = []
+
+
+class _PythonState:
+    """The region's Python state for the recompute, as `_Rewound` is for its tensors: the
+    objects it reaches and the names it can rebind hold, while the recompute runs, what
+    they held when the forward started (a cache the forward filled is empty again), and
+    afterwards what they held before the recompute; the forward hooks of its modules run
+    in the forward only (ReplayedHooks)."""
+
+    def __init__(self, fn: Callable[..., Any], roots: list[tuple[str, Any]]) -> None:
+        self.fn, self.roots = fn, roots
+        self.hooks = ReplayedHooks(modules_reached(roots))
+        self.before: Snapshot | None = None
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        self.before = Snapshot.take(self.roots, self.fn)
+        with self.hooks.running(recomputing=False):
+            yield
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        now = Snapshot.take(self.roots, self.fn)
+        if self.before is not None:
+            self.before.restore()
+        try:
+            with self.hooks.running(recomputing=True):
+                yield
+        finally:
+            now.restore()
 
 
 def replay_note(policy: Callable[..., Any] | None) -> str:

@@ -134,28 +134,119 @@ def _state(value: Any) -> Any:
     return None
 
 
+def modules_reached(roots: list[tuple[str, Any]]) -> list[torch.nn.Module]:
+    """Every module reachable from `roots`, with all of its submodules, once each."""
+    found: dict[int, torch.nn.Module] = {}
+    for _, value in _walk(roots):
+        if isinstance(value, torch.nn.Module) and id(value) not in found:
+            found.update((id(m), m) for m in value.modules())
+    return list(found.values())
+
+
+def _contents(value: Any) -> Any:
+    """What an object holds, by reference, to put back with `_put_back`."""
+    if isinstance(value, list):
+        return list(value)
+    if isinstance(value, (dict, set)):
+        return value.copy()
+    if isinstance(value, torch.nn.Module):
+        return {k: v for k, v in vars(value).items() if k not in _MODULE_TABLES}, dict(value._modules)
+    return dict(vars(value))
+
+
+def _put_back(value: Any, contents: Any) -> None:
+    """Make `value` hold `contents` (what `_contents` read) again, in place."""
+    if isinstance(value, list):
+        value[:] = contents
+    elif isinstance(value, (dict, set)):
+        value.clear()
+        value.update(contents)
+    elif isinstance(value, torch.nn.Module):
+        attributes, modules = contents
+        _put_back_attributes(vars(value), attributes, keep=_MODULE_TABLES)
+        _put_back(value._modules, modules)
+    else:
+        _put_back_attributes(vars(value), contents, keep=frozenset())
+
+
+def _put_back_attributes(namespace: dict[str, Any], attributes: dict[str, Any], keep: frozenset[str]) -> None:
+    for name in [k for k in namespace if k not in attributes and k not in keep]:
+        del namespace[name]
+    namespace.update(attributes)
+
+
+def _bindings(fn: Callable[..., Any]) -> list[tuple[Any, str]]:
+    """Where a call of `fn` can rebind a name: its closure cells (`nonlocal`) and the
+    globals its code names (`global`), each as (cell, "") or (namespace, name)."""
+    function = fn.__func__ if inspect.ismethod(fn) else fn
+    if not isinstance(function, types.FunctionType) or is_installed_code(function.__code__):
+        return []
+    found: list[tuple[Any, str]] = [(cell, "") for cell in function.__closure__ or ()]
+    return found + [(function.__globals__, name) for name in _global_names(function.__code__)]
+
+
+_UNBOUND = object()
+
+
+def _bound(place: tuple[Any, str]) -> Any:
+    holder, name = place
+    if name:
+        return holder.get(name, _UNBOUND)
+    try:
+        return holder.cell_contents
+    except ValueError:  # a cell not yet assigned
+        return _UNBOUND
+
+
+def _rebind(place: tuple[Any, str], value: Any) -> None:
+    holder, name = place
+    if name:
+        if value is _UNBOUND:
+            holder.pop(name, None)
+        else:
+            holder[name] = value
+    elif value is _UNBOUND:
+        del holder.cell_contents
+    else:
+        holder.cell_contents = value
+
+
 @dataclass
 class Snapshot:
-    """The state of every mutable object a call reaches, before its trace."""
+    """The state of every mutable object a call reaches, and of the names it can rebind,
+    before it runs: to tell what it changed (a trace) or to undo it (a trace that failed,
+    a recompute)."""
 
-    states: dict[int, tuple[str, Any, Any]]  # id -> (path, the object, its state)
+    states: dict[int, tuple[str, Any, Any, Any]]  # id -> (path, the object, its state, its contents)
+    bindings: list[tuple[tuple[Any, str], Any]]  # (a cell or a global's place, what it held)
 
     @classmethod
-    def take(cls, roots: list[tuple[str, Any]]) -> Snapshot:
+    def take(cls, roots: list[tuple[str, Any]], fn: Callable[..., Any] | None = None) -> Snapshot:
         states = {}
         for path, value in _walk(roots):
             state = _state(value)
             if state is not None:
-                states[id(value)] = (path, value, state)
-        return cls(states)
+                states[id(value)] = (path, value, state, _contents(value))
+        bindings = [(place, _bound(place)) for place in _bindings(fn)] if fn is not None else []
+        return cls(states, bindings)
 
     def changed(self) -> list[str]:
         """What the trace changed in the objects of the snapshot, one phrase each."""
         changes = []
-        for path, value, state in self.states.values():
+        for path, value, state, _ in self.states.values():
             if _state(value) != state:
                 changes.append(_describe_change(path or "an argument", value, state))
         return changes
+
+    def restore(self) -> None:
+        """Undo what was done since: every object that changed holds what it held then,
+        every name is bound as it was (objects made since and stored there are dropped)."""
+        for _, value, state, contents in self.states.values():
+            if _state(value) != state:
+                _put_back(value, contents)
+        for place, value in self.bindings:
+            if _bound(place) is not value:
+                _rebind(place, value)
 
 
 def _describe_change(path: str, value: Any, before: Any) -> str:

@@ -356,7 +356,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         # it (embedding_bag's forward-only kernel has no derivative).
         fakes = [_fake_like(mode, t).requires_grad_(needs_grad(t)) for t in originals]
         roots = roots_of(fn, call.objects())
-        before = Snapshot.take(roots)
+        before = Snapshot.take(roots, fn)
         draws = DrawTracker()
         hooks = HookRecorder()
 
@@ -369,13 +369,20 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
             gm = _recorded_or_traced(flat_fn, fakes, mode, restart=restart)
             rng_end = draws.end()
         except Exception as error:
+            before.restore()  # what the attempt changed held stand-ins; a replay runs the Python again
             failure = trace_failure(fn_name, error)
             if failure is error:  # the user's own exception (or torch's, as eager would raise)
                 raise
             raise failure from error
         finally:
             draws.restore()
-        _refuse_stand_ins(fn_name, roots, out_info["static"], hooks.calls)
+        try:
+            _refuse_stand_ins(fn_name, roots, out_info["static"], hooks.calls)
+        except RematTraceError as error:
+            before.restore()
+            if stand_in_path(roots) is not None:  # somewhere the snapshot did not reach: it stays
+                error.replayable = False
+            raise
         changes = before.changed()
         _warn_changes(fn_name, fn, changes)
     _reject_data_dependent_ops(gm, fn_name)
@@ -448,8 +455,7 @@ def _refuse_stand_ins(fn_name: str, roots: list[tuple[str, Any]], out_static: li
             f"remat could not trace `{fn_name}`: it stores a tensor it computes in `{found}`. remat "
             "traces the function once with stand-in tensors and then runs a graph, so that object "
             "would hold stand-ins, not values. Return the value instead of storing it (for Hugging "
-            "Face models in training: `use_cache=False`, as their own gradient checkpointing sets).",
-            replayable=False,  # the object holds the trace's stand-ins now
+            "Face models in training: `use_cache=False`, as their own gradient checkpointing sets)."
         )
     for hook_call in hook_calls:
         if stand_in_path([("", hook_call.leaves)]) is not None:

@@ -6,9 +6,11 @@ once per region, and an error under torch.func transforms or with fallback=False
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Any, Callable
 
+import optree
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -251,3 +253,94 @@ def test_expanded_weights_per_sample_gradients_are_as_without_remat() -> None:
     with pytest.warns(RematFallbackWarning, match="ExpandedWeight"):
         call_for_per_sample_grads(rematted)(x).sum().backward()
     _assert_bitwise([p.grad_sample for p in model.parameters()], expected)  # type: ignore[attr-defined]
+
+
+class _Hooked(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.act = torch.nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.linear(x))
+
+
+def _python_effects(policy: Any, use_remat: bool) -> list[Any]:
+    """A replayed region that touches Python state every way it can: forward hooks that
+    look (a module's, a pre-hook, a global one) and one that replaces the module's output,
+    a list it appends to, an attribute and a nonlocal it sets, and a cache object it is
+    given, fills and reads. Two steps, each a gradient and a gradient of that gradient."""
+    torch.manual_seed(0)
+    module = _Hooked()
+    records: dict[str, Any] = {"looked": [], "pre": [], "global": [], "appended": []}
+    state = types.SimpleNamespace(calls=0)
+    count = 0
+    module.linear.register_forward_hook(lambda m, args, out: records["looked"].append(out.detach().clone()))
+    module.linear.register_forward_pre_hook(lambda m, args: records["pre"].append(args[0].shape))
+    module.act.register_forward_hook(lambda m, args, out: out * 2)  # the recompute must replace it too
+
+    def region(x: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
+        nonlocal count
+        count += 1
+        state.calls += 1
+        h = module(x)
+        records["appended"].append(len(cache))
+        cache.append(h)
+        h = h * len(cache)  # the recompute must see the cache as the forward did
+        rows = (h.sum(-1) > 0).nonzero()[:, 0]  # untraceable: the region replays
+        return h.sum() + h[rows].pow(2).sum()
+
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: records["global"].append(type(m).__name__))
+    f = remat(region, policy=policy) if use_remat else region
+    params = list(module.parameters())
+    seen: list[Any] = []
+    try:
+        for step in range(2):
+            x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step), requires_grad=True)
+            cache: list[torch.Tensor] = []
+            out = f(x, cache)
+            first = torch.autograd.grad(out, [x, *params], create_graph=True)
+            second = torch.autograd.grad(sum(g.pow(2).sum() for g in first), [x, *params])
+            seen += [out.detach(), [g.detach() for g in first], second, [c.detach() for c in cache]]
+    finally:
+        handle.remove()
+    return seen + [records, state.calls, count]
+
+
+@pytest.mark.parametrize("policy_name", ["none", "nothing", "everything", "dots"])
+def test_a_replayed_region_s_python_runs_once_per_call_as_without_remat(policy_name: str) -> None:
+    """torch.utils.checkpoint runs a region's Python again in backward: its hooks record
+    twice, its appends and counters count twice, and a cache the forward filled is seen
+    filled by the recompute (a different value, a wrong gradient). A replayed region's
+    recompute sees the Python state the forward saw, calls no hook that only looked, and
+    leaves every object as the forward left it; a kept value serves a second backward."""
+    expected = _python_effects(None, use_remat=False)
+    with pytest.warns(RematFallbackWarning, match="nonzero"):
+        actual = _python_effects(POLICIES[policy_name], use_remat=True)
+    assert actual[-1] == expected[-1] == 2 and actual[-2] == expected[-2] == 2
+    assert actual[-3]["pre"] == expected[-3]["pre"] and actual[-3]["global"] == expected[-3]["global"]
+    assert actual[-3]["appended"] == expected[-3]["appended"] == [0, 0]
+    for a, e in zip(optree.tree_leaves(actual[:-3]), optree.tree_leaves(expected[:-3])):  # type: ignore[arg-type]
+        assert torch.equal(a, e)
+    _assert_bitwise(actual[-3]["looked"], expected[-3]["looked"])
+
+
+def test_a_failed_trace_leaves_no_stand_ins_and_no_changes() -> None:
+    """The trace ran the Python on stand-ins before it failed: what it appended and set is
+    taken back, so the replay's forward makes each change once, with real values."""
+    seen: list[Any] = []
+    holder = types.SimpleNamespace(last=None)
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        h = x.sin()
+        seen.append(h)
+        holder.last = h
+        return h[h > 0].sum()
+
+    x = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(RematFallbackWarning):
+        out = remat(region)(x)
+    assert len(seen) == 1 and type(seen[0]) is torch.Tensor and holder.last is seen[0]
+    out.backward()
+    assert len(seen) == 1 and holder.last is seen[0]
+    assert torch.equal(x.grad, (x.sin() > 0) * x.cos())  # type: ignore[arg-type]

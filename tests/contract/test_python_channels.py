@@ -331,16 +331,44 @@ class _Holder:
         self.value = value
 
 
-def test_a_computed_tensor_stored_where_the_caller_sees_it_is_refused() -> None:
-    box: dict[str, torch.Tensor] = {}
-
+def _stores_in(box: dict[str, torch.Tensor]) -> Fn:
     def stores(x: torch.Tensor) -> torch.Tensor:
         h = x.sin()
         box["h"] = h
-        return h.sum()
+        return (h * x).tanh().sum()
 
-    with pytest.raises(RematTraceError, match=r"stores a tensor it computes in `box\['h'\]`|stores a tensor it computes in `box.h`"):
-        remat(stores)(torch.randn(3, dtype=D, requires_grad=True))
+    return stores
+
+
+@pytest.mark.parametrize("policy_name", ["none", "dots"])
+def test_a_computed_tensor_stored_where_the_caller_sees_it_is_replayed_as_eager(policy_name: str) -> None:
+    """The trace's stand-ins are taken back out, the region replays, and the caller sees
+    the forward's own tensor (the recompute's is not left there), as without remat."""
+    x = torch.randn(3, dtype=D)
+    seen = []
+    for use_remat in (False, True):
+        box: dict[str, torch.Tensor] = {}
+        fn = _stores_in(box)
+        f = remat(fn, policy=CHANNEL_POLICIES[policy_name]) if use_remat else fn
+        xs = x.clone().requires_grad_()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", remat_package.RematFallbackWarning)
+            out = f(xs)
+        stored = box["h"]
+        (out + stored.sum()).backward()  # through the region and through what it stored
+        seen.append((out.detach(), xs.grad, stored.detach(), box["h"] is stored, list(box)))
+    assert_close(seen[1], seen[0], rtol=0, atol=0)
+
+
+def test_a_computed_tensor_stored_where_the_caller_sees_it_is_refused_when_traced() -> None:
+    box: dict[str, torch.Tensor] = {}
+    match = r"stores a tensor it computes in `box\['h'\]`|stores a tensor it computes in `box.h`"
+    with pytest.raises(RematTraceError, match=match):
+        remat(_stores_in(box), fallback=False)(torch.randn(3, dtype=D, requires_grad=True))
+    assert box == {}  # the trace's stand-in is not left there
+    with pytest.raises(RematTraceError, match=match):
+        torch.func.grad(remat(_stores_in(box)))(torch.randn(3, dtype=D))
+    assert box == {}
 
 
 def test_an_output_object_optree_does_not_flatten_is_refused() -> None:

@@ -295,18 +295,34 @@ def test_mixtral_style_moe_with_data_dependent_routing_replays_as_without_remat(
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_default_kv_cache_is_refused_naming_the_cache_and_the_fix(name: str) -> None:
+def test_default_kv_cache_replays_as_without_remat_naming_the_cache_and_the_fix(name: str) -> None:
     """LlamaConfig and GPT2Config default to use_cache=True, so a training forward makes a
-    new DynamicCache and fills it inside each decoder layer. remat would fill it with its
-    tracing stand-ins (and trace anew for every new cache object): it refuses, naming the
-    cache and `use_cache=False`, which transformers' own gradient checkpointing sets."""
-    torch.manual_seed(0)
-    model = {"llama": Z.llama, "gpt2": Z.gpt2}[name]("sdpa", use_cache=True)
-    assert model.config.use_cache
-    layers = model.model.layers if name == "llama" else model.transformer.h
-    remat.checkpoint_layers(layers, P.dots_saveable)
-    with pytest.raises(RematError, match=r"stores a tensor it computes in `[a-z_]+\.layers\[0\]\.keys`.*use_cache=False"):
-        model(**Z._tokens(Z.BATCH))
+    new DynamicCache and fills it inside each decoder layer, which a trace cannot (it would
+    fill it with stand-ins): the layers replay, saying why and naming `use_cache=False`
+    (which transformers' own gradient checkpointing sets), and the loss, every gradient
+    and the cache the forward filled are bitwise those without remat: the recompute in
+    backward sees the cache as the forward did, and leaves it as the forward left it."""
+
+    def steps(use_remat: bool) -> list[Any]:
+        torch.manual_seed(0)
+        model = {"llama": Z.llama, "gpt2": Z.gpt2}[name]("sdpa", use_cache=True)
+        assert model.config.use_cache
+        layers = model.model.layers if name == "llama" else model.transformer.h
+        if use_remat:
+            remat.checkpoint_layers(layers, P.dots_saveable)
+        seen = []
+        for _ in range(2):
+            out = model(**Z._tokens(Z.BATCH))
+            out.logits.pow(2).mean().backward()
+            cache = out.past_key_values.layers
+            seen.append([out.logits, [p.grad.clone() for p in model.parameters()], [(c.keys, c.values) for c in cache]])
+            model.zero_grad()
+        return seen
+
+    expected = steps(False)
+    with pytest.warns(remat.RematFallbackWarning, match=r"stores a tensor it computes in `[a-z_]+\.layers\[0\]\.keys`.*use_cache=False"):
+        actual = steps(True)
+    assert_close(actual, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("policy_name", ["none", "dots", "budget"])

@@ -484,9 +484,12 @@ def _bitwise(actual: Any, expected: Any) -> bool:
 
 
 def _same_bits(a: torch.Tensor, e: torch.Tensor) -> bool:
-    """Equal dtype, shape and values, NaN where the other has NaN (complex by its parts)."""
-    if a.dtype != e.dtype or a.shape != e.shape:
+    """Equal dtype, layout, shape and values, NaN where the other has NaN (complex by its
+    parts; a sparse tensor by its dense values)."""
+    if a.dtype != e.dtype or a.shape != e.shape or a.layout != e.layout:
         return False
+    if e.layout != torch.strided:
+        a, e = a.to_dense(), e.to_dense()
     if a.is_complex():
         a, e = torch.view_as_real(a.to(torch.complex64)), torch.view_as_real(e.to(torch.complex64))
     return bool(torch.equal(a.isnan(), e.isnan()) and torch.equal(a.nan_to_num(), e.nan_to_num()))
