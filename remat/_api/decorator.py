@@ -46,7 +46,7 @@ from .._trace.arguments import Call, CaptureMemo, positional_names, split_call
 from .._trace.attribute_reads import recording_reads
 from .._trace.hooks import call_hooks
 from .._trace.records import StageOne
-from .._trace.tracing import differentiate, inside_trace, nested_region
+from .._trace.tracing import differentiate, gradient_count, inside_trace, nested_region
 from .reports import record
 
 
@@ -391,6 +391,7 @@ class Rematerialized:
         builds_graph = transforms_active()  # torch.func differentiates a backward as a graph; .backward() does not
         if joint is None:
             joint = differentiate(stage_one, diff_inputs, float_outputs, create_graph=builds_graph)
+        gradient_counts = [gradient_count(joint, i) for i in diff_inputs]
         n_outputs = stage_one.n_outputs + len(stage_one.mutated)
         decide = policy_decider(stage_one.scopes)
         part = partition(
@@ -399,7 +400,7 @@ class Rematerialized:
         )
         plan = Plan(
             stage_one=stage_one, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region,
-            builds_graph=builds_graph,
+            builds_graph=builds_graph, gradient_counts=gradient_counts,
         )
         if nested_gradients():
             plan.keep_inputs_for_second_order()

@@ -22,6 +22,8 @@ RNG_STREAM_KEY = "remat_rng_stream"  # a random op's (draw number, generator, th
 FILL_LIKE_KEY = "remat_fill_like"  # a random fill drawn into a fresh tensor, where eager filled a tensor in place
 AUTOCAST_CAST_KEY = "remat_autocast_cast"  # a cast autocast made (not the user's `.to`)
 NAME_KEY = "remat_name"  # the name checkpoint_name gave the value
+USE_ALIAS_KEY = "remat_use_alias"  # stage 2's alias of an input for one of its uses, taken out after
+GRADIENT_COUNT_KEY = "remat_gradient_count"  # on a joint graph's input: how many gradients it gets, one per use
 GRAD_OFF_KEY = "remat_grad_off"  # computed with grad disabled (no_grad, inference_mode): a constant of backward
 
 # The ops that read a tensor's memory by its strides and offset, not by its logical order.

@@ -59,6 +59,9 @@ class Plan:
     _pruned: dict[tuple[int, frozenset[int]], torch.fx.GraphModule] = field(default_factory=dict, repr=False)
     trace_seconds: float = 0.0  # what a plain trace of the function took (`_plans/templates` prices templates by it)
     builds_graph: bool = True  # its backward was traced as autograd runs one that builds a graph
+    # per input in diff_inputs, how many gradients the backward gives it: one per use for an
+    # input used more than once (`_trace/tracing.differentiate`); empty: one each
+    gradient_counts: list[int] = field(default_factory=list)
 
     def run(self, gm: torch.fx.GraphModule, *inputs: Any) -> Any:
         """Run one of this plan's graphs; its first run checks layouts against the trace.
@@ -102,13 +105,34 @@ class Plan:
             inputs = list(inputs)
             for i in self.unreached_inputs:
                 inputs[i] = inputs[i].detach()
+        if self.more_uses:  # the Function takes such an input once per use: autograd adds each use's gradient
+            inputs = [*inputs, *(inputs[i] for i in self.more_uses)]
         return apply_function(RematFunction, self, inputs)  # type: ignore[no-any-return]
 
     @functools.cached_property
     def unreached_inputs(self) -> list[int]:
         """Inputs that need grad but get none from any output (the backward gives None)."""
         grads = next(n for n in self.part.backward.graph.nodes if n.op == "output").args[0]
-        return [i for i, g in zip(self.diff_inputs, grads) if g is None]
+        return [i for i, g in zip(self.gradient_positions, grads) if g is None]
+
+    @functools.cached_property
+    def more_uses(self) -> list[int]:
+        """The inputs the Function takes again after all of them, once per use after the
+        first, in order: autograd adds the gradients of one tensor that a node takes
+        several times one by one, in the order of the node's inputs."""
+        return [i for i, count in zip(self.diff_inputs, self.gradient_counts) for _ in range(count - 1)]
+
+    @functools.cached_property
+    def gradient_positions(self) -> list[int]:
+        """For each gradient the backward gives, which of the Function's inputs it is for."""
+        if not self.more_uses:
+            return list(self.diff_inputs)
+        positions: list[int] = []
+        again = len(self.stage_one.input_values)
+        for i, count in zip(self.diff_inputs, self.gradient_counts):
+            positions += [i, *range(again, again + count - 1)]
+            again += count - 1
+        return positions
 
     def backward_for(
         self, gm: torch.fx.GraphModule, grads: Sequence[torch.Tensor | None], outputs: Sequence[int], like: Sequence[Any]
@@ -191,8 +215,8 @@ class Plan:
 
     @functools.cached_property
     def every_input_differentiable(self) -> bool:
-        """Whether the backward's gradients are those of every input, in order."""
-        return self.diff_inputs == list(range(len(self.stage_one.input_values)))
+        """Whether the backward's gradients are those of every input, in order, one each."""
+        return self.diff_inputs == list(range(len(self.stage_one.input_values))) and not self.more_uses
 
     @functools.cached_property
     def n_first_order_kept(self) -> int:
@@ -287,6 +311,8 @@ class RematFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(plan: Plan, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        if plan.more_uses:  # the inputs taken again are there for their gradients only
+            inputs = inputs[: len(inputs) - len(plan.more_uses)]
         return tuple(plan.run(plan.part.forward, *inputs))
 
     @staticmethod
@@ -320,14 +346,16 @@ class RematFunction(torch.autograd.Function):
             full, order, cotangent_outputs = plan.higher_order()
             backward, cotangents = plan.backward_for(full.backward, grads, cotangent_outputs, kept)
             input_grads = plan.run(backward, *[kept[k] for k in order], *cotangents)
+            positions = plan.diff_inputs  # one gradient per input, all of it for the first use
         else:
             backward, tangents = plan.backward_for(plan.part.backward, grads, plan.float_outputs, kept)
             first_order = kept if len(kept) == plan.n_first_order_kept else kept[: plan.n_first_order_kept]
             input_grads = plan.run(backward, *first_order, *tangents)
-        if plan.every_input_differentiable:
-            return (None, *input_grads)
-        result: list[torch.Tensor | None] = [None] * (len(plan.stage_one.input_values) + 1)
-        for i, g in zip(plan.diff_inputs, input_grads):
+            if plan.every_input_differentiable:
+                return (None, *input_grads)
+            positions = plan.gradient_positions
+        result: list[torch.Tensor | None] = [None] * (len(plan.stage_one.input_values) + len(plan.more_uses) + 1)
+        for i, g in zip(positions, input_grads):
             result[i + 1] = g
         return tuple(result)
 

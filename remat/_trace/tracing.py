@@ -36,9 +36,11 @@ from .._core.nodes import (
     DIFFERENTIABLE_KEY,
     FILL_LIKE_KEY,
     GRAD_OFF_KEY,
+    GRADIENT_COUNT_KEY,
     RNG_STREAM_KEY,
     SCOPE_KEY,
     SOURCE_KEY,
+    USE_ALIAS_KEY,
     USER_DETACH_KEY,
     annotate,
     comes_after,
@@ -667,7 +669,11 @@ def _warn_frozen(fn_name: str, node: torch.fx.Node, value: torch.Tensor) -> None
 
 
 def differentiate(
-    stage_one: StageOne, diff_inputs: Sequence[int], float_outputs: Sequence[int], create_graph: bool = True
+    stage_one: StageOne,
+    diff_inputs: Sequence[int],
+    float_outputs: Sequence[int],
+    create_graph: bool = True,
+    by_use: bool = True,
 ) -> torch.fx.GraphModule:
     """Stage 2: one graph computing the outputs and the vjp w.r.t. `diff_inputs`.
 
@@ -676,8 +682,15 @@ def differentiate(
     other ops in the two (SiLU's is `silu_backward` in one, its composite formula in the
     other), so each is traced where eager code runs it, for the same rounding.
 
+    With `by_use`, an input the graph uses more than once gets one gradient per use, in
+    the order eager autograd adds them up (`_Uses`): remat's autograd.Function takes such
+    an input once per use, so that autograd adds these contributions to the input's
+    gradient one by one, after or before contributions from outside the region, as it
+    does without remat (the same sum, rounded as eager rounds it). Each such input's
+    placeholder notes its number of gradients (`gradient_count`).
+
     Inputs: every stage-1 input, then one tangent per output in `float_outputs`.
-    Outputs: every stage-1 output, then one gradient per input in `diff_inputs`.
+    Outputs: every stage-1 output, then the gradients of each input in `diff_inputs`.
     """
     g1 = stage_one.graph
     n_inputs = len(stage_one.input_values)
@@ -685,20 +698,22 @@ def differentiate(
 
     blame: list[torch.fx.Node] = []  # the forward node whose derivative runs now
     hooks: list[Any] = []
+    uses = _Uses(g1, diff_inputs) if by_use else None
 
     def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
         primals, tangents = flat[:n_inputs], flat[n_inputs:]
         with torch.enable_grad(), preserve_node_meta():
-            outs = _MarkDifferentiable(g1, blame, hooks).run(*primals)
+            outs = _MarkDifferentiable(g1, blame, hooks, uses).run(*primals)
+            wrt = [primals[i] for i in diff_inputs] if uses is None else uses.differentiated(primals)
             pairs = [(outs[i], t) for i, t in zip(float_outputs, tangents) if outs[i].requires_grad]
             grads = torch.autograd.grad(
                 [o for o, _ in pairs],
-                [primals[i] for i in diff_inputs],
+                wrt,
                 [t for _, t in pairs],
                 create_graph=create_graph,
                 allow_unused=True,  # an input the outputs do not depend on gets None, as in eager
-            ) if pairs else [None for _ in diff_inputs]
-        return [*outs, *grads]
+            ) if pairs else [None for _ in wrt]
+        return [*outs, *(grads if uses is None else uses.gradients(list(grads)))]
 
     with tracing_isolated(), autocast_off():
         mode = new_fake_mode()
@@ -708,7 +723,7 @@ def differentiate(
         # tangents are traced contiguous; Plan.cotangent makes the real ones so
         examples += [_fake_contiguous(mode, out_values[i]) for i in float_outputs]
         try:
-            traced = _recorded_or_traced(joint, examples, mode, restart=blame.clear)
+            traced = _recorded_or_traced(joint, examples, mode, restart=functools.partial(_restart_joint, blame, uses))
         except Exception as error:  # a derivative that cannot run without data
             node = blame[-1] if blame else None
             source = source_line(node) if node is not None else None
@@ -721,7 +736,107 @@ def differentiate(
         finally:
             for hook in hooks:
                 hook.remove()
-        return functionalized(traced)
+        joint_gm = functionalized(traced)
+        if uses is not None:
+            uses.finish(joint_gm)
+        return joint_gm
+
+
+def _restart_joint(blame: list[torch.fx.Node], uses: _Uses | None) -> None:
+    blame.clear()
+    if uses is not None:
+        uses.start()
+
+
+class _Uses:
+    """Each use of an input the stage-1 graph uses more than once, as a value of its own.
+
+    Autograd adds the gradient contributions an input receives one at a time, as the
+    nodes that use it finish their backward (and, within a node, in the order of its
+    inputs). Differentiating with respect to a separate alias per use gives each
+    contribution; the nodes' finishing order, noted by hooks, orders them. The aliases
+    are taken out of the graph afterwards (they are the input itself)."""
+
+    def __init__(self, g1: torch.fx.Graph | torch.fx.GraphModule, diff_inputs: Sequence[int]) -> None:
+        graph = g1.graph if isinstance(g1, torch.fx.GraphModule) else g1
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        counts: dict[torch.fx.Node, int] = {}
+        for node in graph.nodes:
+            if node.op == "call_function":
+                for arg in optree.tree_leaves((node.args, node.kwargs), none_is_leaf=True):  # type: ignore[arg-type]
+                    if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
+                        counts[arg] = counts.get(arg, 0) + 1
+        self.diff_inputs = list(diff_inputs)
+        self.split = {placeholders[i]: i for i in diff_inputs if counts.get(placeholders[i], 0) > 1}
+        self.start()
+
+    def start(self) -> None:
+        """(Again, when the trace restarts.)"""
+        self.aliases: dict[int, list[tuple[torch.Tensor, torch.fx.Node, int]]] = {i: [] for i in self.split.values()}
+        self.finished: list[torch.fx.Node] = []
+
+    def argument(self, value: torch.Tensor, placeholder: torch.fx.Node, user: torch.fx.Node) -> torch.Tensor:
+        """The value `user` reads for one use of `placeholder`: an alias of its own."""
+        index = self.split[placeholder]
+        alias = torch.ops.aten.alias.default(value)
+        annotate(traced_node(alias), USE_ALIAS_KEY, True)
+        self.aliases[index].append((alias, user, len(self.aliases[index])))
+        return alias
+
+    def note_finished(self, node: torch.fx.Node, *_: Any) -> None:
+        self.finished.append(node)
+
+    def differentiated(self, primals: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """What autograd differentiates with respect to: each input, or each of its uses."""
+        wrt: list[torch.Tensor] = []
+        for i in self.diff_inputs:
+            aliases = self.aliases.get(i)
+            wrt += [a for a, _, _ in aliases] if aliases else [primals[i]]
+        return wrt
+
+    def gradients(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The graph's gradient outputs: per input, its uses' gradients in the order eager
+        autograd adds them (uses that get none left out; None if none gets one)."""
+        order = {node: k for k, node in enumerate(self.finished)}
+        result: list[torch.Tensor | None] = []
+        self.counts: list[int] = []
+        at = 0
+        for i in self.diff_inputs:
+            aliases = self.aliases.get(i)
+            if not aliases:
+                result.append(grads[at])
+                self.counts.append(1)
+                at += 1
+                continue
+            mine = grads[at : at + len(aliases)]
+            at += len(aliases)
+            ranked = sorted(
+                (order.get(user, len(order)), position, grad)
+                for (_, user, position), grad in zip(aliases, mine)
+                if grad is not None
+            )
+            result += [grad for _, _, grad in ranked] or [None]
+            self.counts.append(max(len(ranked), 1))
+        return result
+
+    def finish(self, gm: torch.fx.GraphModule) -> None:
+        """Take the aliases out of the traced graph and note each input's gradient count
+        on its placeholder."""
+        for node in list(gm.graph.nodes):
+            if node.meta.get("custom", {}).get(USE_ALIAS_KEY):
+                node.replace_all_uses_with(node.args[0])
+                gm.graph.erase_node(node)
+        gm.recompile()
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for i, count in zip(self.diff_inputs, self.counts):
+            if count > 1:
+                annotate(placeholders[i], GRADIENT_COUNT_KEY, count)
+
+
+def gradient_count(joint: torch.fx.GraphModule, index: int) -> int:
+    """How many gradients the joint graph gives input `index` (see `differentiate`)."""
+    placeholder = [n for n in joint.graph.nodes if n.op == "placeholder"][index]
+    return int(placeholder.meta.get("custom", {}).get(GRADIENT_COUNT_KEY, 1))
 
 
 def _recorded_or_traced(
@@ -816,17 +931,33 @@ class _MarkDifferentiable(_CarryMeta):
     derivative that fails can be traced back to the op and the user's line.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, blame: list[torch.fx.Node], hooks: list[Any]) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, blame: list[torch.fx.Node], hooks: list[Any], uses: _Uses | None = None) -> None:
         super().__init__(gm)
         self.blame = blame
         self.hooks = hooks  # removed after the trace: a hook on an autograd node would keep its graph alive
+        self.uses = uses
+
+    def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[Any, dict[str, Any]]:
+        uses = self.uses
+        if uses is None or n.op != "call_function" or not any(p in uses.split for p in n.all_input_nodes):
+            return super().fetch_args_kwargs_from_env(n)
+
+        def load(node: torch.fx.Node) -> Any:  # in argument order: autograd's order of the node's inputs
+            value = self.env[node]
+            return uses.argument(value, node, n) if node in uses.split else value
+
+        return torch.fx.node.map_arg(n.args, load), torch.fx.node.map_arg(n.kwargs, load)  # type: ignore[return-value]
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
+        first = next((t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)  # type: ignore[arg-type]
         if isinstance(out, torch.Tensor):
             annotate(traced_node(out), DIFFERENTIABLE_KEY, bool(out.requires_grad), producer_too=False)
             if out.grad_fn is not None and n.op == "call_function":
                 self.hooks.append(out.grad_fn.register_prehook(functools.partial(_blame, self.blame, producer(n))))
+        uses = self.uses
+        if uses is not None and first is not None and first.grad_fn is not None and any(p in uses.split for p in n.all_input_nodes):
+            self.hooks.append(first.grad_fn.register_hook(functools.partial(uses.note_finished, n)))
         return out
 
 
@@ -844,4 +975,4 @@ def vjp_of_graph(
         graph=forward, n_explicit=len(input_values), lifted=[], by_reference=[], input_paths=[],
         out_spec=None, out_static=[], n_outputs=0, mutated=[], input_values=list(input_values),
     )
-    return differentiate(shim, diff_inputs, cotangent_outputs)
+    return differentiate(shim, diff_inputs, cotangent_outputs, by_use=False)

@@ -216,6 +216,59 @@ def test_a_weight_two_linears_share_under_autocast_is_bitwise(cache: bool | None
         _bitwise(run(remat.remat(body, policy=policy)), run(body))
 
 
+def _attention(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    q, k, v = x @ w, x @ w.t(), x * 2  # x used three times
+    return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
+
+
+def _squares(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x * x) @ w  # x twice in one op: autograd adds self's gradient, then other's
+
+
+def _around_a_region(region: Callable[..., torch.Tensor], order: str) -> Callable[..., torch.Tensor]:
+    """The region's input used outside it too, its gradient reached from outside before
+    the region's ("residual after": `x + f(x)`) or after ("used before": `x.sin()` first)."""
+
+    def model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if order == "residual after":
+            return x + region(x, w)
+        before = (x * 3).sin()
+        return before.sum(-1, keepdim=True) * region(x, w)
+
+    return model
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
+@pytest.mark.parametrize("order", ["residual after", "used before"])
+@pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.bfloat16, True)], ids=["bf16", "bf16-autocast"])
+@pytest.mark.parametrize("fn", [_attention, _squares], ids=lambda f: f.__name__)
+def test_an_input_used_inside_and_outside_a_region_gets_eager_s_gradient(
+    fn: Callable[..., torch.Tensor], dtype: torch.dtype, autocast: bool, order: str, transform: str
+) -> None:
+    """Autograd adds the gradient contributions of a value one at a time, as the ops using
+    it finish their backward: `x + f(x)` with x used three times in f sums
+    ((outside + use 1) + use 2) + use 3. A region that summed its own contributions first
+    would round differently in low precision; remat hands autograd one gradient per use."""
+    torch.manual_seed(0)
+    xs = torch.randn(2, 5, 8).to(torch.float32 if autocast else dtype)
+    ws = torch.randn(2, 8, 8).to(xs.dtype) * 0.3
+    cotangent = torch.randn(5, 8)
+
+    def run(region: Callable[..., torch.Tensor]) -> Any:
+        model = _around_a_region(region, order)
+
+        def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                out = model(x, w)
+            return (out.float() * cotangent).sum()
+
+        return _gradients(loss, transform, (xs, ws))
+
+    expected = run(fn)
+    for policy in POLICIES.values():
+        _bitwise(run(remat.remat(fn, policy=policy)), expected)
+
+
 @pytest.mark.models
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe"])
 def test_transformers_models_with_bf16_parameters_are_bitwise(name: str) -> None:

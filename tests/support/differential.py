@@ -629,10 +629,6 @@ class _Builder:
             return "within bf16 rounding: a second-order gradient in low precision (README)"
         if self.precision == "autocast" and (self.on("inplace") or self.on("inplace_view")):
             return "within bf16 rounding: an in-place op under autocast (README)"
-        if self.on("nested_region") and (self.on("tensor_hook") or self.on("append_tensor")):
-            # the outer region replays, so the inner one is a boundary that the value it is
-            # given crosses while the replayed code uses that value outside it too
-            return "within bf16 rounding: a value used inside a region and outside it (README)"
         return "bitwise"
 
     def render(self) -> str:
