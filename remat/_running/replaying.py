@@ -12,11 +12,10 @@ and again in backward to recompute what was not kept. What makes that exact:
   statistics, a counter) are recorded before their first change in forward; the
   recompute starts from those values and they are put back after it, so such state is
   updated once, as without remat (checkpoint alone updates it twice);
-- the recompute's Python sees what the forward saw and leaves no trace: the objects the
-  region reaches and the names it can rebind hold, while it runs, what they held when the
-  forward started (a cache the forward filled is empty again), and afterwards what they
-  held before it; the forward hooks of its modules ran in forward and are not called
-  again (unless one replaced a value);
+- the recompute's Python sees what the forward saw and leaves no trace where remat can
+  see: the objects the region and the user's forward hooks reach, and the names they can
+  rebind, hold, while it runs, what they held when the forward started (a cache the
+  forward filled is empty again), and afterwards what they held before it;
 - a kept value serves every recompute, so a gradient of a gradient runs as in eager code.
 """
 
@@ -25,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import types
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -39,8 +39,8 @@ from .._core.errors import RematError
 from .._core.nodes import written_values
 from .._core.torch_internals import SacEntry, selective_checkpoint_contexts
 from .._partition.compiling import NAMED_COPY, Decisions
-from .._trace.hooks import ReplayedHooks
-from .._trace.reachable import Snapshot, modules_reached, roots_of
+from .._trace.hooks import forward_hooks
+from .._trace.reachable import Snapshot, modules_reached, roots_of, roots_of_hooks
 
 _REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_replaying", default=False)
 
@@ -249,28 +249,28 @@ class _PythonState:
     """The region's Python state for the recompute, as `_Rewound` is for its tensors: the
     objects it reaches and the names it can rebind hold, while the recompute runs, what
     they held when the forward started (a cache the forward filled is empty again), and
-    afterwards what they held before the recompute; the forward hooks of its modules run
-    in the forward only (ReplayedHooks)."""
+    afterwards what they held before the recompute. The forward hooks of its modules run
+    in the recompute as in the forward (one that sets what the forward reads, as pruning's
+    and FSDP's do, must), and what the user's hooks reach is held the same way."""
 
     def __init__(self, fn: Callable[..., Any], roots: list[tuple[str, Any]]) -> None:
-        self.fn, self.roots = fn, roots
-        self.hooks = ReplayedHooks(modules_reached(roots))
+        hooks = forward_hooks(modules_reached(roots))
+        self.roots = roots + roots_of_hooks(hooks)
+        self.functions = [fn, *(hook for hook in hooks if isinstance(hook, types.FunctionType))]
         self.before: Snapshot | None = None
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        self.before = Snapshot.take(self.roots, self.fn)
-        with self.hooks.running(recomputing=False):
-            yield
+        self.before = Snapshot.take(self.roots, self.functions)
+        yield
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
-        now = Snapshot.take(self.roots, self.fn)
+        now = Snapshot.take(self.roots, self.functions)
         if self.before is not None:
             self.before.restore()
         try:
-            with self.hooks.running(recomputing=True):
-                yield
+            yield
         finally:
             now.restore()
 

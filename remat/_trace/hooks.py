@@ -13,20 +13,15 @@ A hook that returns a replacement for the module's inputs or output would change
 graph; it is refused on the call where it does so. A hook given a tensor the function
 changes in place afterwards is refused too: it runs after the graph, where the value it
 saw is gone. Hooks registered or removed after a trace make the plan stale (`HookSet`).
-
-A region that cannot be traced replays (remat/_running/replaying.py): its hooks run in
-its forward as in eager code, and `ReplayedHooks` keeps the recompute in backward from
-calling them again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import optree
 import torch
@@ -170,11 +165,8 @@ class HookRecorder:
         if _RECORDING.get() is not self:
             return original(module, *args, **kwargs)
         self.seen.setdefault(id(module), (weakref.ref(module), _hook_ids(module)))
-        swapped = [_swap_in(getattr(module, table), functools.partial(_StandIn, self, table), (_StandIn,)) for table in _TABLES]
-        swapped += [
-            _swap_in(global_forward_hook_table(name), functools.partial(_StandIn, self, name), (_StandIn,))
-            for name in GLOBAL_FORWARD_HOOK_TABLES
-        ]
+        swapped = [_swap_in(self, getattr(module, table), table) for table in _TABLES]
+        swapped += [_swap_in(self, global_forward_hook_table(name), name) for name in GLOBAL_FORWARD_HOOK_TABLES]
         try:
             return original(module, *args, **kwargs)
         finally:
@@ -182,22 +174,18 @@ class HookRecorder:
                 _swap_out(entry)
 
 
-_Swapped = tuple[dict[int, Any], list[tuple[int, Any, Any]]]
-
-
-def _swap_in(table: dict[int, Any], make: Callable[[int, Any], Any], skip: tuple[type, ...]) -> _Swapped:
-    """`make(hook_id, hook)` in place of each hook of the table not already one of `skip`
-    (in place: the table keeps its order)."""
+def _swap_in(recorder: HookRecorder, table: dict[int, Any], name: str) -> tuple[dict[int, Any], list[tuple[int, Any, _StandIn]]]:
+    """Stand-ins in place of the table's hooks (in place: the table keeps its order)."""
     done = []
     for hook_id, hook in list(table.items()):
-        if not isinstance(hook, skip):
-            stand_in = make(hook_id, hook)
+        if not isinstance(hook, _StandIn):
+            stand_in = _StandIn(recorder, name, hook_id, hook)
             table[hook_id] = stand_in
             done.append((hook_id, hook, stand_in))
     return table, done
 
 
-def _swap_out(swapped: _Swapped) -> None:
+def _swap_out(swapped: tuple[dict[int, Any], list[tuple[int, Any, _StandIn]]]) -> None:
     table, done = swapped
     for hook_id, hook, stand_in in done:
         if table.get(hook_id) is stand_in:
@@ -221,30 +209,8 @@ def _unchanged(result: Any, arguments: tuple[Any, ...], pre: bool) -> bool:
     return result is args or (len(args) == 1 and result is args[0])
 
 
-class _Pass:
-    """One replayed call's forward (`recomputing` False) or recompute (True), with the
-    hooks its forward saw replace a module's inputs or output, by hook id; `outer`, the
-    forward of a replayed region around it, whose recompute runs this one's too."""
-
-    def __init__(self, recomputing: bool, replacing: set[int], outer: _Pass | None) -> None:
-        self.recomputing, self.replacing, self.outer = recomputing, replacing, outer
-
-    def note(self, hook_id: int) -> None:
-        current: _Pass | None = self
-        while current is not None:
-            current.replacing.add(hook_id)
-            current = current.outer
-
-
-_PASS: contextvars.ContextVar[_Pass | None] = contextvars.ContextVar("remat_replay_hooks", default=None)
-
-
 def call_hooks(calls: Sequence[HookCall], values: Sequence[torch.Tensor], region: str) -> None:
-    """Call each recorded hook that is still registered, in order, with the real values
-    (none while a replayed region recomputes: they ran in its forward)."""
-    current = _PASS.get()
-    if current is not None and current.recomputing:
-        return
+    """Call each recorded hook that is still registered, in order, with the real values."""
     for call in calls:
         module = call.module()
         hook = call.hook(module) if module is not None else None
@@ -262,56 +228,8 @@ def call_hooks(calls: Sequence[HookCall], values: Sequence[torch.Tensor], region
             )
 
 
-class _Watched:
-    """What a hook table holds while a replayed region runs: in its forward, calls the
-    hook and notes whether it replaced a value; in its recompute, calls only a hook
-    that did (elsewhere, and in other threads, it calls the hook)."""
-
-    def __init__(self, table: str, hook_id: int, hook: Any) -> None:
-        self.table, self.hook_id, self.hook = table, hook_id, hook
-
-    def __call__(self, module: torch.nn.Module, *arguments: Any) -> Any:
-        current = _PASS.get()
-        if current is None:
-            return self.hook(module, *arguments)
-        if current.recomputing and self.hook_id not in current.replacing:
-            return None
-        result = self.hook(module, *arguments)
-        if not current.recomputing and not _unchanged(result, arguments, "pre" in self.table):
-            current.note(self.hook_id)
-        return result
-
-
-class ReplayedHooks:
-    """The forward hooks and pre-hooks of a replayed region's modules, called once per
-    call, as eager code calls them.
-
-    A replayed region's Python runs again in backward to recompute what was not kept, so
-    its modules' forward hooks would run twice (`torch.utils.checkpoint` runs them twice:
-    an activation collected by a hook is collected again, a counter counts twice). While
-    the forward runs, each hook call is watched; in the recompute a hook that only looked
-    is not called again, and one that replaced a module's inputs or output is (the
-    recompute must compute what the forward computed). Regions traced inside call no hook
-    in the recompute either."""
-
-    def __init__(self, modules: Sequence[torch.nn.Module]) -> None:
-        self.modules = modules
-        self.replacing: set[int] = set()
-
-    @contextlib.contextmanager
-    def running(self, recomputing: bool) -> Iterator[None]:
-        outer = _PASS.get()
-        if outer is not None and outer.recomputing:  # a replay inside a replay's recompute recomputes too
-            current = _Pass(True, outer.replacing, None)
-        else:
-            current = _Pass(recomputing, self.replacing, outer)
-        tables = [(getattr(m, table), table) for m in self.modules for table in _TABLES]
-        tables += [(global_forward_hook_table(name), name) for name in GLOBAL_FORWARD_HOOK_TABLES]
-        swapped = [_swap_in(table, functools.partial(_Watched, name), (_Watched, _StandIn)) for table, name in tables if table]
-        token = _PASS.set(current)
-        try:
-            yield
-        finally:
-            _PASS.reset(token)
-            for entry in reversed(swapped):
-                _swap_out(entry)
+def forward_hooks(modules: Sequence[torch.nn.Module]) -> list[Any]:
+    """The forward hooks and pre-hooks of `modules`, then the global ones: the Python that
+    calls of these modules run around their forwards."""
+    hooks = [hook for module in modules for table in _TABLES for hook in getattr(module, table).values()]
+    return hooks + [hook for name in GLOBAL_FORWARD_HOOK_TABLES for hook in global_forward_hook_table(name).values()]

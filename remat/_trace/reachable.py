@@ -15,11 +15,11 @@ import inspect
 import sys
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .._core.sources import is_installed_code
+from .._core.sources import is_installed_code, is_user_class
 from .._core.torch_internals import SYMBOLIC_SCALARS, FakeTensor
 
 _DEPTH = 6
@@ -134,6 +134,24 @@ def _state(value: Any) -> Any:
     return None
 
 
+def roots_of_hooks(hooks: Sequence[Any]) -> list[tuple[str, Any]]:
+    """What the user's own hooks reach: a function's closure and the globals its code
+    names, the object of a method or a callable of a class of the user's. A library's
+    hook (pruning's, FSDP's) is left out: its state is the library's to keep."""
+    roots: list[tuple[str, Any]] = []
+    for hook in hooks:
+        name = f"hook {getattr(hook, '__qualname__', type(hook).__qualname__)}"
+        if inspect.ismethod(hook):
+            if is_user_class(type(hook.__self__)):
+                roots.append((name, hook.__self__))
+        elif isinstance(hook, types.FunctionType):
+            if not is_installed_code(hook.__code__):
+                roots.extend((f"{name}: {key}", value) for key, value in _function_items(hook))
+        elif is_user_class(type(hook)):
+            roots.append((name, hook))
+    return roots
+
+
 def modules_reached(roots: list[tuple[str, Any]]) -> list[torch.nn.Module]:
     """Every module reachable from `roots`, with all of its submodules, once each."""
     found: dict[int, torch.nn.Module] = {}
@@ -221,13 +239,14 @@ class Snapshot:
     bindings: list[tuple[tuple[Any, str], Any]]  # (a cell or a global's place, what it held)
 
     @classmethod
-    def take(cls, roots: list[tuple[str, Any]], fn: Callable[..., Any] | None = None) -> Snapshot:
+    def take(cls, roots: list[tuple[str, Any]], functions: Sequence[Callable[..., Any]] = ()) -> Snapshot:
+        """What `roots` reach holds now, and the names `functions` can rebind."""
         states = {}
         for path, value in _walk(roots):
             state = _state(value)
             if state is not None:
                 states[id(value)] = (path, value, state, _contents(value))
-        bindings = [(place, _bound(place)) for place in _bindings(fn)] if fn is not None else []
+        bindings = [(place, _bound(place)) for fn in functions for place in _bindings(fn)]
         return cls(states, bindings)
 
     def changed(self) -> list[str]:

@@ -358,7 +358,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         # it (embedding_bag's forward-only kernel has no derivative).
         fakes = [_fake_like(mode, t).requires_grad_(needs_grad(t)) for t in originals]
         roots = roots_of(fn, call.objects())
-        before = Snapshot.take(roots, fn)
+        before = Snapshot.take(roots, [fn])
         draws = DrawTracker()
         hooks = HookRecorder()
 

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import optree
 import pytest
 import torch
+import torch.nn.utils.prune
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import RematFallbackWarning, RematTraceError, checkpoint_name, remat
@@ -312,8 +313,8 @@ def test_a_replayed_region_s_python_runs_once_per_call_as_without_remat(policy_n
     """torch.utils.checkpoint runs a region's Python again in backward: its hooks record
     twice, its appends and counters count twice, and a cache the forward filled is seen
     filled by the recompute (a different value, a wrong gradient). A replayed region's
-    recompute sees the Python state the forward saw, calls no hook that only looked, and
-    leaves every object as the forward left it; a kept value serves a second backward."""
+    recompute sees the Python state the forward saw, and leaves every object it and its
+    hooks reach as the forward left it; a kept value serves a second backward."""
     expected = _python_effects(None, use_remat=False)
     with pytest.warns(RematFallbackWarning, match="nonzero"):
         actual = _python_effects(POLICIES[policy_name], use_remat=True)
@@ -344,3 +345,40 @@ def test_a_failed_trace_leaves_no_stand_ins_and_no_changes() -> None:
     out.backward()
     assert len(seen) == 1 and holder.last is seen[0]
     assert torch.equal(x.grad, (x.sin() > 0) * x.cos())  # type: ignore[arg-type]
+
+
+class _Pruned(torch.nn.Module):
+    """torch's pruning recomputes `weight` from `weight_orig` in a forward pre-hook that
+    sets it as a plain attribute and returns nothing; a data-dependent shape replays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4, dtype=torch.float64)
+        torch.nn.utils.prune.l1_unstructured(self.linear, "weight", amount=0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.linear(x))
+        return h.sum() + h[h > 0].pow(2).sum()
+
+
+@pytest.mark.parametrize("policy_name", ["none", "dots"])
+def test_a_hook_that_sets_what_the_forward_reads_runs_in_the_recompute(policy_name: str) -> None:
+    """The recompute sees the module as the forward did: its attributes as they were when
+    the forward started, and the pre-hook that sets `weight` runs again, from the
+    `weight_orig` an optimizer step between calls changed; every step's gradients equal
+    no remat."""
+    torch.manual_seed(0)
+    reference, block = _Pruned(), _Pruned()
+    block.load_state_dict(reference.state_dict())
+    seen = []
+    with pytest.warns(RematFallbackWarning, match="nonzero"):
+        for model, run in ((reference, reference), (block, remat(block, policy=POLICIES[policy_name]))):
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            for step in range(3):
+                x = torch.randn(6, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+                run(x).backward()
+                seen.append([p.grad.clone() for p in model.parameters()])
+                optimizer.step()
+                optimizer.zero_grad()
+    for a, e in zip(seen[3:], seen[:3]):
+        _assert_bitwise(a, e)
