@@ -58,6 +58,25 @@ _UNDECLARED_MUTATIONS = {
 }
 
 
+# In-place ops whose result does not depend on what the memory they write held before.
+_OVERWRITING = frozenset({
+    torch.ops.aten.copy_.default, torch.ops.aten.fill_.Scalar, torch.ops.aten.fill_.Tensor, torch.ops.aten.zero_.default,
+    torch.ops.aten.uniform_.default, torch.ops.aten.normal_.default, torch.ops.aten.bernoulli_.float,
+    torch.ops.aten.bernoulli_.Tensor, torch.ops.aten.exponential_.default, torch.ops.aten.geometric_.default,
+    torch.ops.aten.log_normal_.default, torch.ops.aten.cauchy_.default, torch.ops.aten.random_.default,
+    getattr(torch.ops.aten.random_, "from"), torch.ops.aten.random_.to,
+})
+
+
+def overwrites(op: OpOverload) -> bool:
+    """Whether `op` writes without reading what the memory held: a copy, a fill, or only
+    `out=` arguments (an all-gather's output buffer)."""
+    if op in _OVERWRITING:
+        return True
+    written = [a for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    return bool(written) and all(a.kwarg_only and a.name.startswith("out") for a in written)
+
+
 def written_values(op: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
     """What a call of `op` writes in place (fx nodes or tensors, None for an absent
     optional): the arguments its schema marks written, and batch norm's running

@@ -11,7 +11,9 @@ and again in backward to recompute what was not kept. What makes that exact:
 - tensors the region changes in place that it did not make (BatchNorm's running
   statistics, a counter) are recorded before their first change in forward; the
   recompute starts from those values and they are put back after it, so such state is
-  updated once, as without remat (checkpoint alone updates it twice);
+  updated once, as without remat (checkpoint alone updates it twice); memory a copy or a
+  fill writes is left as the forward left it (the recompute writes it again, or reads it
+  as the forward did: FSDP's gathered parameters);
 - the recompute's Python sees what the forward saw and leaves no trace where remat can
   see: the objects the region and the user's forward hooks reach, and the names they can
   rebind, hold, while it runs, what they held when the forward started (a cache the
@@ -36,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint
 from remat.policies import MemoryBudget, nothing_saveable
 
 from .._core.errors import RematError
-from .._core.nodes import written_values
+from .._core.nodes import overwrites, written_values
 from .._core.torch_internals import SacEntry, selective_checkpoint_contexts
 from .._partition.compiling import NAMED_COPY, Decisions
 from .._trace.hooks import forward_hooks
@@ -200,7 +202,7 @@ class _ExternalWrites(TorchDispatchMode):
         written = written_values(func, args, kwargs)
         for tensor in optree.tree_leaves(written):  # type: ignore[arg-type]
             if isinstance(tensor, torch.Tensor):
-                self._remember(func, tensor)
+                self._remember(func, tensor, overwrites(func))
         out = func(*args, **kwargs)
         given = {_storage_key(t) for t in optree.tree_leaves((args, kwargs)) if _has_storage(t)}  # type: ignore[arg-type]
         for value in optree.tree_leaves(out):  # type: ignore[arg-type]
@@ -208,7 +210,7 @@ class _ExternalWrites(TorchDispatchMode):
                 self.made.add(_storage_key(value))
         return out
 
-    def _remember(self, func: Any, tensor: torch.Tensor) -> None:
+    def _remember(self, func: Any, tensor: torch.Tensor, overwritten: bool) -> None:
         try:
             key = _storage_key(tensor)
         except (RuntimeError, NotImplementedError):
@@ -220,7 +222,10 @@ class _ExternalWrites(TorchDispatchMode):
             ) from None
         if self.decisions is not None:
             self.decisions.written(key)
-        if key in self.made or key in self.before:
+        if overwritten or key in self.made or key in self.before:
+            # a copy or a fill computes the same from the same inputs whatever the memory held: the
+            # recompute starts from what the forward left (an FSDP all-gather the recompute does
+            # not repeat left the parameters there)
             return
         storage = tensor.untyped_storage()
         self.before[key] = (storage, storage.clone())
@@ -237,12 +242,19 @@ class _Rewound:
     def __enter__(self) -> None:
         self.after = [(storage, storage.clone()) for storage, _ in self.writes.before.values()]
         for storage, before in self.writes.before.values():
-            storage.copy_(before)
+            _put_back(storage, before)
 
     def __exit__(self, *exc: Any) -> None:
         for storage, after in self.after:
-            storage.copy_(after)
+            _put_back(storage, after)
         self.after = []
+
+
+def _put_back(storage: torch.UntypedStorage, saved: torch.UntypedStorage) -> None:
+    """`saved`'s bytes into `storage`, unless its owner resized it since (FSDP frees a
+    layer's gathered parameters after its forward): then its memory is the owner's."""
+    if storage.nbytes() == saved.nbytes():
+        storage.copy_(saved)
 
 
 class _PythonState:

@@ -1,9 +1,9 @@
 """Tensor parallelism (DTensor) against no remat: two gloo processes on CPU, a stack of
-transformer MLP blocks parallelized colwise / rowwise with dropout on. remat traces plain
-tensors only, so each layer runs replayed (as torch.utils.checkpoint runs it, the policy
-asked op by op); loss, every local gradient shard and the random stream after equal no
-remat bitwise on every rank, under every built-in policy. The processes are spawned and
-joined by the test."""
+transformer MLP blocks parallelized colwise / rowwise with dropout on; and FSDP2 x TP on a
+2 x 2 mesh of four. remat traces plain tensors only, so each layer runs replayed (as
+torch.utils.checkpoint runs it, the policy asked op by op); loss, every local gradient
+shard and the random stream after equal no remat bitwise on every rank, under every
+built-in policy. The processes are spawned and joined by the test."""
 
 from __future__ import annotations
 
@@ -84,4 +84,76 @@ def test_tensor_parallel_layers_equal_no_remat_on_every_rank_under_every_policy(
         mp.spawn(_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
         outcome = dict(results)
     expected = {(rank, name): True for rank in range(WORLD) for name in POLICY_NAMES}
+    assert outcome == expected
+
+
+# FSDP2 x TP: where the FSDP units are. "layers": each layer one unit, its hooks around the
+# region; "inside": the layer's Linears units of their own too, whose hooks gather their
+# parameters inside the region (again in the recompute, after the forward freed them);
+# "inside, kept gathered": those units keep their gathered parameters after forward
+# (reshard_after_forward=False), so the recompute gathers nothing and must read them as left.
+FSDP_LAYOUTS = {"layers": None, "inside": True, "inside, kept gathered": False}
+FSDP_POLICY_NAMES = ["none", "nothing", "dots", "everything"]
+
+
+def _fsdp_worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        import remat
+        from conftest import BUILT_IN_POLICIES
+
+        warnings.simplefilter("ignore", remat.RematFallbackWarning)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1 + mesh["dp"].get_local_rank()))
+
+        def build(layout: str, policy_name: str | None) -> torch.nn.Module:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(_Block(), _Block())
+            for layer in model:
+                parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+                if FSDP_LAYOUTS[layout] is not None:
+                    for linear in (layer.up, layer.down):
+                        fully_shard(linear, mesh=mesh["dp"], reshard_after_forward=FSDP_LAYOUTS[layout])
+            if policy_name is not None:
+                remat.checkpoint_layers(list(model), BUILT_IN_POLICIES[policy_name])
+            for layer in model:
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            return model
+
+        def two_steps(model: torch.nn.Module) -> list[torch.Tensor]:
+            seen = []
+            for step in range(2):
+                torch.manual_seed(5 + step)
+                loss = model(x).pow(2).sum()
+                loss.backward()
+                seen += [loss.detach(), *(p.grad.to_local().clone() for p in model.parameters()), torch.rand(2)]  # type: ignore[union-attr]
+                model.zero_grad()
+            return seen
+
+        for layout in FSDP_LAYOUTS:
+            expected = two_steps(build(layout, None))
+            for name in FSDP_POLICY_NAMES:
+                actual = two_steps(build(layout, name))
+                results[(rank, layout, name)] = all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_fsdp2_by_tensor_parallel_layers_equal_no_remat_on_every_rank() -> None:
+    """torch.utils.checkpoint recomputes with what memory holds in backward; a replayed
+    region starts its recompute from what the forward saw, except memory a copy filled
+    (FSDP's gathered parameters): a gather the recompute repeats fills it again, one it
+    does not (kept gathered) left it as the forward read it."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_fsdp_worker, args=(_free_port(), results), nprocs=4, join=True)
+        outcome = dict(results)
+    expected = {(rank, layout, name): True for rank in range(4) for layout in FSDP_LAYOUTS for name in FSDP_POLICY_NAMES}
     assert outcome == expected
