@@ -242,15 +242,15 @@ class _Rewound:
     def __enter__(self) -> None:
         self.after = [(storage, storage.clone()) for storage, _ in self.writes.before.values()]
         for storage, before in self.writes.before.values():
-            _put_back(storage, before)
+            _copy_back(storage, before)
 
     def __exit__(self, *exc: Any) -> None:
         for storage, after in self.after:
-            _put_back(storage, after)
+            _copy_back(storage, after)
         self.after = []
 
 
-def _put_back(storage: torch.UntypedStorage, saved: torch.UntypedStorage) -> None:
+def _copy_back(storage: torch.UntypedStorage, saved: torch.UntypedStorage) -> None:
     """`saved`'s bytes into `storage`, unless its owner resized it since (FSDP frees a
     layer's gathered parameters after its forward): then its memory is the owner's."""
     if storage.nbytes() == saved.nbytes():

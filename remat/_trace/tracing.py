@@ -757,23 +757,24 @@ class _Uses:
     contribution; the nodes' finishing order, noted by hooks, orders them. The aliases
     are taken out of the graph afterwards (they are the input itself)."""
 
-    def __init__(self, g1: torch.fx.Graph | torch.fx.GraphModule, diff_inputs: Sequence[int]) -> None:
-        graph = g1.graph if isinstance(g1, torch.fx.GraphModule) else g1
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    def __init__(self, g1: torch.fx.GraphModule, diff_inputs: Sequence[int]) -> None:
+        placeholders = [n for n in g1.graph.nodes if n.op == "placeholder"]
         counts: dict[torch.fx.Node, int] = {}
-        for node in graph.nodes:
+        for node in g1.graph.nodes:
             if node.op == "call_function":
                 for arg in optree.tree_leaves((node.args, node.kwargs), none_is_leaf=True):  # type: ignore[arg-type]
                     if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
                         counts[arg] = counts.get(arg, 0) + 1
         self.diff_inputs = list(diff_inputs)
         self.split = {placeholders[i]: i for i in diff_inputs if counts.get(placeholders[i], 0) > 1}
+        self.users = {u for p in self.split for u in p.users if u.op == "call_function"}  # the ops that read one
         self.start()
 
     def start(self) -> None:
         """(Again, when the trace restarts.)"""
         self.aliases: dict[int, list[tuple[torch.Tensor, torch.fx.Node, int]]] = {i: [] for i in self.split.values()}
         self.finished: list[torch.fx.Node] = []
+        self.counts: list[int] = []  # per input in diff_inputs, its gradients (set by `gradients`)
 
     def argument(self, value: torch.Tensor, placeholder: torch.fx.Node, user: torch.fx.Node) -> torch.Tensor:
         """The value `user` reads for one use of `placeholder`: an alias of its own."""
@@ -799,7 +800,7 @@ class _Uses:
         autograd adds them (uses that get none left out; None if none gets one)."""
         order = {node: k for k, node in enumerate(self.finished)}
         result: list[torch.Tensor | None] = []
-        self.counts: list[int] = []
+        self.counts = []
         at = 0
         for i in self.diff_inputs:
             aliases = self.aliases.get(i)
@@ -939,7 +940,7 @@ class _MarkDifferentiable(_CarryMeta):
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[Any, dict[str, Any]]:
         uses = self.uses
-        if uses is None or n.op != "call_function" or not any(p in uses.split for p in n.all_input_nodes):
+        if uses is None or n not in uses.users:
             return super().fetch_args_kwargs_from_env(n)
 
         def load(node: torch.fx.Node) -> Any:  # in argument order: autograd's order of the node's inputs
@@ -950,14 +951,15 @@ class _MarkDifferentiable(_CarryMeta):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
-        first = next((t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)  # type: ignore[arg-type]
         if isinstance(out, torch.Tensor):
             annotate(traced_node(out), DIFFERENTIABLE_KEY, bool(out.requires_grad), producer_too=False)
             if out.grad_fn is not None and n.op == "call_function":
                 self.hooks.append(out.grad_fn.register_prehook(functools.partial(_blame, self.blame, producer(n))))
         uses = self.uses
-        if uses is not None and first is not None and first.grad_fn is not None and any(p in uses.split for p in n.all_input_nodes):
-            self.hooks.append(first.grad_fn.register_hook(functools.partial(uses.note_finished, n)))
+        if uses is not None and n in uses.users:  # note when its backward finishes
+            first = next((t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)  # type: ignore[arg-type]
+            if first is not None and first.grad_fn is not None:
+                self.hooks.append(first.grad_fn.register_hook(functools.partial(uses.note_finished, n)))
         return out
 
 
