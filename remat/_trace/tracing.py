@@ -760,11 +760,14 @@ class _Uses:
     def __init__(self, g1: torch.fx.GraphModule, diff_inputs: Sequence[int]) -> None:
         placeholders = [n for n in g1.graph.nodes if n.op == "placeholder"]
         counts: dict[torch.fx.Node, int] = {}
+
+        def count(arg: torch.fx.Node) -> torch.fx.Node:  # every node in the arguments, lists included
+            counts[arg] = counts.get(arg, 0) + 1
+            return arg
+
         for node in g1.graph.nodes:
             if node.op == "call_function":
-                for arg in optree.tree_leaves((node.args, node.kwargs), none_is_leaf=True):  # type: ignore[arg-type]
-                    if isinstance(arg, torch.fx.Node) and arg.op == "placeholder":
-                        counts[arg] = counts.get(arg, 0) + 1
+                torch.fx.node.map_arg((node.args, node.kwargs), count)
         self.diff_inputs = list(diff_inputs)
         self.split = {placeholders[i]: i for i in diff_inputs if counts.get(placeholders[i], 0) > 1}
         self.users = {u for p in self.split for u in p.users if u.op == "call_function"}  # the ops that read one

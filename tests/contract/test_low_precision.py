@@ -225,6 +225,10 @@ def _squares(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.tanh(x * x) @ w  # x twice in one op: autograd adds self's gradient, then other's
 
 
+def _stacked(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.stack([x, x @ w]).tanh().sum(0) @ w  # one use inside a list argument
+
+
 def _around_a_region(region: Callable[..., torch.Tensor], order: str) -> Callable[..., torch.Tensor]:
     """The region's input used outside it too, its gradient reached from outside before
     the region's ("residual after": `x + f(x)`) or after ("used before": `x.sin()` first)."""
@@ -241,7 +245,7 @@ def _around_a_region(region: Callable[..., torch.Tensor], order: str) -> Callabl
 @pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
 @pytest.mark.parametrize("order", ["residual after", "used before"])
 @pytest.mark.parametrize("dtype, autocast", [(torch.bfloat16, False), (torch.bfloat16, True)], ids=["bf16", "bf16-autocast"])
-@pytest.mark.parametrize("fn", [_attention, _squares], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("fn", [_attention, _squares, _stacked], ids=lambda f: f.__name__)
 def test_an_input_used_inside_and_outside_a_region_gets_eager_s_gradient(
     fn: Callable[..., torch.Tensor], dtype: torch.dtype, autocast: bool, order: str, transform: str
 ) -> None:
