@@ -376,21 +376,33 @@ class Rematerialized:
             share_plan(key, plan)
         return plan, traced
 
-    def _plan(self, stage_one: StageOne, updated: Sequence[int], joint: torch.fx.GraphModule | None = None) -> Runnable | None:
+    def _plan(
+        self,
+        stage_one: StageOne,
+        updated: Sequence[int],
+        joint: torch.fx.GraphModule | None = None,
+        whole: frozenset[int] = frozenset(),
+    ) -> Runnable | None:
         """A Plan for the captured graph, or a Chain of plans where outputs feed other
         outputs. `updated`: the inputs the region updates after its forward; `joint`: the
-        forward+backward graph when a template gave it."""
+        forward+backward graph when a template gave it; `whole`: inputs that get one
+        gradient, not one per use (`differentiate`). In a chain, an input the second plan
+        reads before the first does gets one from each plan: autograd runs the second's
+        backward first, so its gradient reaches the input first, where eager's comes
+        last; one sum from each plan adds in an order that cannot matter for two terms."""
         diff_inputs = [i for i, needs in enumerate(stage_one.input_needs_grad) if needs]
         if not diff_inputs:
             return None
         halves = split_at_outputs(stage_one) if joint is None else None  # templates are never chains
         if halves is not None:
-            first, rest, first_positions = halves
-            return Chain(stage_one, self._plan(first, updated), self._plan(rest, updated), first_positions)  # type: ignore[arg-type]
+            first, rest, first_positions, read_by_rest_first = halves
+            whole = whole | read_by_rest_first
+            parts = [self._plan(half, updated, whole=whole) for half in (first, rest)]
+            return Chain(stage_one, *parts, first_positions)  # type: ignore[arg-type]
         float_outputs = [j for j, differentiable in enumerate(stage_one.output_differentiable) if differentiable]
         builds_graph = transforms_active()  # torch.func differentiates a backward as a graph; .backward() does not
         if joint is None:
-            joint = differentiate(stage_one, diff_inputs, float_outputs, create_graph=builds_graph)
+            joint = differentiate(stage_one, diff_inputs, float_outputs, create_graph=builds_graph, whole=whole)
         gradient_counts = [gradient_count(joint, i) for i in diff_inputs]
         n_outputs = stage_one.n_outputs + len(stage_one.mutated)
         decide = policy_decider(stage_one.scopes)

@@ -55,10 +55,15 @@ class Chain:
         return self.first.plans() + self.rest.plans()
 
 
-def split_at_outputs(stage_one: StageOne) -> tuple[StageOne, StageOne, list[list[int]]] | None:
-    """(first, rest, where each of first's outputs goes) when other outputs are computed
-    from some differentiable outputs, else None. first computes each such value once, as
-    many places as it is returned at (an output returned twice, or also given to a hook)."""
+def split_at_outputs(stage_one: StageOne) -> tuple[StageOne, StageOne, list[list[int]], set[int]] | None:
+    """(first, rest, where each of first's outputs goes, inputs read in an order the two
+    parts break) when other outputs are computed from some differentiable outputs, else
+    None. first computes each such value once, as many places as it is returned at (an
+    output returned twice, or also given to a hook).
+
+    The last: inputs that rest reads before first does. Autograd runs rest's backward
+    first, so rest's gradients for an input reach it first; eager's reach it in the
+    reverse order of the reads, so for such an input they come later."""
     graph = stage_one.graph.graph
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])
@@ -113,7 +118,19 @@ def split_at_outputs(stage_one: StageOne) -> tuple[StageOne, StageOne, list[list
         input_needs_grad=[*stage_one.input_needs_grad, *(True for _ in cut_nodes)],
         input_paths=[*stage_one.input_paths, *(f"output {outs.index(node)} of the region" for node in cut_nodes)],
     )
-    return first, rest, placements
+    return first, rest, placements, _read_by_rest_first(graph, first_nodes, rest_nodes)
+
+
+def _read_by_rest_first(graph: torch.fx.Graph, first: set[torch.fx.Node], rest: set[torch.fx.Node]) -> set[int]:
+    """The inputs (by position) that some node of rest reads before a node of first does."""
+    order = {node: k for k, node in enumerate(graph.nodes)}
+    found = set()
+    for index, placeholder in enumerate(n for n in graph.nodes if n.op == "placeholder"):
+        by_first = [order[u] for u in placeholder.users if u in first]
+        by_rest = [order[u] for u in placeholder.users if u in rest]
+        if by_first and by_rest and min(by_rest) < max(by_first):
+            found.add(index)
+    return found
 
 
 def _random_draws_keep_their_order(graph: torch.fx.Graph, first: set[torch.fx.Node], rest: set[torch.fx.Node]) -> bool:

@@ -674,6 +674,7 @@ def differentiate(
     float_outputs: Sequence[int],
     create_graph: bool = True,
     by_use: bool = True,
+    whole: frozenset[int] = frozenset(),
 ) -> torch.fx.GraphModule:
     """Stage 2: one graph computing the outputs and the vjp w.r.t. `diff_inputs`.
 
@@ -686,8 +687,9 @@ def differentiate(
     the order eager autograd adds them up (`_Uses`): remat's autograd.Function takes such
     an input once per use, so that autograd adds these contributions to the input's
     gradient one by one, after or before contributions from outside the region, as it
-    does without remat (the same sum, rounded as eager rounds it). Each such input's
-    placeholder notes its number of gradients (`gradient_count`).
+    does without remat (the same sum, rounded as eager rounds it), except inputs in
+    `whole`, which get one. Each split input's placeholder notes its number of
+    gradients (`gradient_count`).
 
     Inputs: every stage-1 input, then one tangent per output in `float_outputs`.
     Outputs: every stage-1 output, then the gradients of each input in `diff_inputs`.
@@ -698,7 +700,7 @@ def differentiate(
 
     blame: list[torch.fx.Node] = []  # the forward node whose derivative runs now
     hooks: list[Any] = []
-    uses = _Uses(g1, diff_inputs) if by_use else None
+    uses = _Uses(g1, diff_inputs, whole) if by_use else None
 
     def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
         primals, tangents = flat[:n_inputs], flat[n_inputs:]
@@ -757,7 +759,7 @@ class _Uses:
     contribution; the nodes' finishing order, noted by hooks, orders them. The aliases
     are taken out of the graph afterwards (they are the input itself)."""
 
-    def __init__(self, g1: torch.fx.GraphModule, diff_inputs: Sequence[int]) -> None:
+    def __init__(self, g1: torch.fx.GraphModule, diff_inputs: Sequence[int], whole: frozenset[int] = frozenset()) -> None:
         placeholders = [n for n in g1.graph.nodes if n.op == "placeholder"]
         counts: dict[torch.fx.Node, int] = {}
 
@@ -766,11 +768,13 @@ class _Uses:
             return arg
 
         for node in g1.graph.nodes:
-            if node.op == "call_function":
+            if node.op in ("call_function", "output"):  # an input returned as an output is a use too
                 torch.fx.node.map_arg((node.args, node.kwargs), count)
         self.diff_inputs = list(diff_inputs)
-        self.split = {placeholders[i]: i for i in diff_inputs if counts.get(placeholders[i], 0) > 1}
-        self.users = {u for p in self.split for u in p.users if u.op == "call_function"}  # the ops that read one
+        self.split = {placeholders[i]: i for i in diff_inputs if counts.get(placeholders[i], 0) > 1 and i not in whole}
+        # the ops (and the output) that read one
+        self.users = {u for p in self.split for u in p.users if u.op in ("call_function", "output")}
+        self.output = next(n for n in g1.graph.nodes if n.op == "output")
         self.start()
 
     def start(self) -> None:
@@ -801,7 +805,8 @@ class _Uses:
     def gradients(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """The graph's gradient outputs: per input, its uses' gradients in the order eager
         autograd adds them (uses that get none left out; None if none gets one)."""
-        order = {node: k for k, node in enumerate(self.finished)}
+        # a returned input's gradient comes from the region's users, whose backward ran first
+        order = {node: k for k, node in enumerate(self.finished)} | {self.output: -1}
         result: list[torch.Tensor | None] = []
         self.counts = []
         at = 0
@@ -959,7 +964,7 @@ class _MarkDifferentiable(_CarryMeta):
             if out.grad_fn is not None and n.op == "call_function":
                 self.hooks.append(out.grad_fn.register_prehook(functools.partial(_blame, self.blame, producer(n))))
         uses = self.uses
-        if uses is not None and n in uses.users:  # note when its backward finishes
+        if uses is not None and n in uses.users and n.op == "call_function":  # note when its backward finishes
             first = next((t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)  # type: ignore[arg-type]
             if first is not None and first.grad_fn is not None:
                 self.hooks.append(first.grad_fn.register_hook(functools.partial(uses.note_finished, n)))

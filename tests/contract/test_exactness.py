@@ -540,3 +540,33 @@ def test_writes_to_fresh_values_are_rewritten_and_others_functionalized(
         out = remat(fn, policy=policy)(x, w)
         assert_close((out, torch.autograd.grad(out.sum(), [x, w])), (fn(x, w), torch.autograd.grad(fn(x, w).sum(), [x, w])))
     assert answers[0] is rewritten  # stage 1 of the first trace
+
+
+# ---------------------------------------------------------------- inputs returned as outputs
+
+
+def _returns_its_input(t1: torch.Tensor, t2: torch.Tensor, t3: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """t1 used twice inside and returned unchanged (torch's own checkpoint test shape)."""
+    t4 = t1 + t2 * t3
+    t5 = t1 * t2 + t3
+    t4 *= 3
+    return t4, t5, t1
+
+
+@pytest.mark.parametrize("used", [(0,), (2,), (0, 2), (1, 2), (0, 1, 2)])
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_an_input_returned_unchanged_gets_its_whole_gradient(used: tuple[int, ...], policy_name: str) -> None:
+    """The returned input's gradient joins those of its uses inside (it was dropped when the
+    input was used more than once inside: a silent wrong gradient), under .backward() and
+    torch.func.grad, whichever outputs are used."""
+
+    def loss(f: Callable[..., Any], t1: torch.Tensor, t2: torch.Tensor, t3: torch.Tensor) -> torch.Tensor:
+        out = f(t1, t2, t3)
+        return sum(((k + 2) * out[k].sin()).sum() for k in used)  # type: ignore[return-value]
+
+    region = remat(_returns_its_input, policy=POLICIES[policy_name])
+    t1, t2, t3 = _leaf(5), _leaf(5), torch.randn(5, dtype=D)
+    expected = torch.autograd.grad(loss(_returns_its_input, t1, t2, t3), (t1, t2), allow_unused=True)
+    actual = torch.autograd.grad(loss(region, t1, t2, t3), (t1, t2), allow_unused=True)
+    assert_close(actual, expected)
+    assert_close(grad(loss, argnums=(1, 2))(region, t1, t2, t3), grad(loss, argnums=(1, 2))(_returns_its_input, t1, t2, t3))

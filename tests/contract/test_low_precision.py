@@ -273,6 +273,43 @@ def test_an_input_used_inside_and_outside_a_region_gets_eager_s_gradient(
         _bitwise(run(remat.remat(fn, policy=policy)), expected)
 
 
+def _chain_read_later(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An output that feeds another (remat runs two Functions, the second's backward
+    first); the second part reads x after the first part does."""
+    v1 = torch.reciprocal(1 + x * x)
+    return v1 + torch.tanh(x @ w), v1
+
+
+def _chain_read_earlier(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same, the second part reading x before the first part does."""
+    m = torch.maximum(x, x.flip(-1))
+    t = x * 2
+    t.add_(x)
+    return t + torch.sigmoid(m @ w), t
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
+@pytest.mark.parametrize("fn", [_chain_read_later, _chain_read_earlier], ids=lambda f: f.__name__)
+def test_an_input_read_by_both_parts_of_a_chained_region_gets_eager_s_gradient(
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor]], transform: str
+) -> None:
+    """Eager adds x's contributions in the reverse order of the reads; a chained region's
+    second Function hands autograd its contributions first. Where that is eager's order
+    too, one gradient per use; where it is not, one sum per part (two terms add alike in
+    either order)."""
+    torch.manual_seed(1)
+    xs = torch.randn(2, 3, 4, dtype=torch.bfloat16)
+    ws = torch.randn(2, 4, 4, dtype=torch.bfloat16) * 0.5
+    cotangent = torch.randn(3, 4)
+
+    def run(region: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        return _gradients(lambda x, w: (region(x, w)[0].float() * cotangent).sum(), transform, (xs, ws))
+
+    expected = run(fn)
+    for policy in POLICIES.values():
+        _bitwise(run(remat.remat(fn, policy=policy)), expected)
+
+
 @pytest.mark.models
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe"])
 def test_transformers_models_with_bf16_parameters_are_bitwise(name: str) -> None:

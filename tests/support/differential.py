@@ -194,8 +194,9 @@ INPLACE_VIEW = (
     "{t}.narrow(1, 0, 2).mul_({b}[:, :2])",
 )
 # The second output of a two-output body, which only vjp differentiates: some with an
-# infinite derivative where relu is zero, which a zero cotangent must not turn into NaN.
-AUX = ("torch.tanh({a})", "torch.sqrt(torch.relu({a}))", "torch.relu({a}) ** 1.5", "torch.log(torch.relu({a}))")
+# infinite derivative where relu is zero, which a zero cotangent must not turn into NaN;
+# or the value itself (an input returned unchanged: its gradient joins those of its uses).
+AUX = ("torch.tanh({a})", "torch.sqrt(torch.relu({a}))", "torch.relu({a}) ** 1.5", "torch.log(torch.relu({a}))", "{a}")
 ACTIVATIONS = {"Tanh": "torch.tanh", "GELU": "F.gelu", "SiLU": "F.silu", "Sigmoid": "torch.sigmoid"}  # module: function
 NAMES = ("h", "g")
 
@@ -639,7 +640,7 @@ class _Builder:
         body = list(self.body)
         two = self.on("two_outputs")
         # The second output, from an intermediate or from the first output.
-        aux_of = self.rng.choice([v.name for v in self.values if v.name not in INPUTS] + ["out"])
+        aux_of = self.rng.choice([v.name for v in self.values if v.name not in INPUTS] + ["out", "x"])
         aux = self.rng.choice(AUX).format(a=aux_of)
         if two:
             body += [f"out = {result}", f"return out, {aux}"]
