@@ -15,7 +15,7 @@ Nothing here imports the mechanism in ``remat``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import optree
 import torch
@@ -55,6 +55,7 @@ __all__ = [
     "save_from_both_policies",
     "save_ops",
     "memory_budget",
+    "from_selective_checkpoint",
     "MemoryBudget",
     "Offload",
     "offload_ops",
@@ -340,6 +341,43 @@ class MemoryBudget(PolicyBase):
 
     def __repr__(self) -> str:
         return f"memory_budget({self.limit!r})"
+
+
+@dataclass(frozen=True, repr=False)
+class _SelectiveCheckpoint(PolicyBase):
+    """torch's selective-checkpoint `policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy`
+    asked as a remat policy: MUST_SAVE and PREFER_SAVE keep, the two RECOMPUTEs do not."""
+
+    policy_fn: Callable[..., Any]
+
+    def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
+        from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+
+        kwargs.pop("name", None)  # a checkpoint_name, which torch's policies are never asked with
+        answer = self.policy_fn(SelectiveCheckpointContext(is_recompute=False), op, *args, **kwargs)
+        if not isinstance(answer, CheckpointPolicy):
+            raise TypeError(
+                f"{self!r}: the selective-checkpoint policy returned {answer!r} for op {op}; torch's "
+                "policy_fn returns a torch.utils.checkpoint.CheckpointPolicy (MUST_SAVE, PREFER_SAVE, "
+                "MUST_RECOMPUTE or PREFER_RECOMPUTE)."
+            )
+        return answer in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+
+    def __repr__(self) -> str:
+        return f"from_selective_checkpoint({getattr(self.policy_fn, '__qualname__', self.policy_fn)!r})"
+
+
+def from_selective_checkpoint(policy_fn_or_ops: Callable[..., Any] | Iterable[OpLike]) -> Policy:
+    """A remat policy from what torch's `create_selective_checkpoint_contexts` takes.
+
+    ``policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy``: kept where it answers
+    MUST_SAVE or PREFER_SAVE. remat asks once per op when it plans the region, never in the
+    recompute, so ``ctx.is_recompute`` is always False. A list of ops: keep their outputs
+    (``save_ops``). The policy sees data-free meta tensors, as every remat policy does.
+    """
+    if callable(policy_fn_or_ops):
+        return _SelectiveCheckpoint(policy_fn_or_ops)
+    return save_ops(*policy_fn_or_ops)
 
 
 def memory_budget(limit: int | float) -> MemoryBudget:

@@ -183,6 +183,7 @@ REPRESENTATIVES = frozenset({
     "tests/oracles/test_models.py::test_mixtral_style_moe_with_data_dependent_routing_replays_as_without_remat[dots]",
     "tests/oracles/test_models.py::test_layers_remat_cannot_trace_train_as_without_remat[bloom-eager-dots]",
     "tests/oracles/test_models.py::test_default_kv_cache_replays_as_without_remat_naming_the_cache_and_the_fix[llama]",
+    "tests/oracles/test_models.py::test_checkpoint_model_trains_a_transformers_model_as_without_remat_tracing_each_layer_once[llama]",
     "tests/contract/test_compile.py::test_compiled_values_gradients_and_random_stream_equal_no_remat[nothing]",
     "tests/contract/test_compile.py::test_memory_budget_under_fullgraph_is_refused_naming_policy_and_fix",
     "tests/contract/test_examples.py::test_quickstart_memory_goes_down_and_losses_agree",

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import optree
 import torch
@@ -22,8 +23,9 @@ class Comparison:
     policy: str
     kept_bytes: int
     recompute_flops: int
-    step_seconds: float | None = None
+    step_seconds: float | None = None  # the median of the measured steps
     peak_bytes: int | None = None  # CUDA only
+    step_spread_seconds: float | None = None  # their interquartile range
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,8 +52,11 @@ def _device(args: tuple[Any, ...]) -> torch.device:
     return next((x.device for x in leaves if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
-def _measure(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int) -> tuple[float, int | None]:
-    """Median forward+backward seconds, and on CUDA the step's peak memory above the start."""
+def _measure(
+    f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], repeats: int
+) -> tuple[float | None, int | None, float | None]:
+    """Median forward+backward seconds, on CUDA the step's peak memory above the start, and
+    the seconds' interquartile range."""
     device = _device(args)
     cuda = device.type == "cuda"
     _step(f, args, kwargs)  # warm-up, and the trace
@@ -67,7 +72,8 @@ def _measure(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - start_memory
         times.append(time.perf_counter() - start)
-    return statistics.median(times), peak
+    quartiles = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return statistics.median(times), peak, quartiles[2] - quartiles[0]
 
 
 def compare(
@@ -77,6 +83,7 @@ def compare(
     measure: bool = False,
     repeats: int = 5,
     baseline: bool = True,
+    progress: bool | None = None,
     **kwargs: Any,
 ) -> list[Comparison]:
     """Evaluate several policies on `f(*args, **kwargs)` without running backward.
@@ -86,25 +93,55 @@ def compare(
     the backward of all of `f` (regions and the code around them, measured by storage)
     and the FLOPs backward would recompute; with `measure`, also the median
     forward+backward time and (on CUDA) the peak memory of the step, which does run
-    backward. `baseline` adds a "no remat" row measured with plain autograd.
+    backward. `baseline` adds a "no remat" row measured with plain autograd. `progress`
+    (default: when measuring) shows a progress line (tqdm's where it is installed).
     """
     tracked = _requiring_grad(args)
     with using_policy(None):
         has_regions = report(f, *tracked, **kwargs).calls > 0
     rows = []
-    if baseline:
-        with without_remat():
-            kept = saved_tensor_bytes(f, *tracked, **kwargs)
-            timing = _measure(f, tracked, kwargs, repeats) if measure else (None, None)
-        rows.append(Comparison("no remat", kept, 0, *timing))
-    for policy in policies:
+    untimed: tuple[None, None, None] = (None, None, None)
+    steps = [_NO_REMAT] * baseline + list(policies)
+    for policy in _progress(steps, measure if progress is None else progress):
+        if policy is _NO_REMAT:
+            with without_remat():
+                kept = saved_tensor_bytes(f, *tracked, **kwargs)
+                median, peak, spread = _measure(f, tracked, kwargs, repeats) if measure else untimed
+            rows.append(Comparison("no remat", kept, 0, median, peak, spread))
+            continue
         target = f if has_regions else remat(f, policy=policy)
         with using_policy(policy):
             flops = report(target, *tracked, **kwargs).recompute_flops
             kept = saved_tensor_bytes(target, *tracked, **kwargs)  # the whole of f, as for the baseline
-            timing = _measure(target, tracked, kwargs, repeats) if measure else (None, None)
-        rows.append(Comparison(repr(policy) if policy is not None else "None (nothing_saveable)", kept, flops, *timing))
+            median, peak, spread = _measure(target, tracked, kwargs, repeats) if measure else untimed
+        name = repr(policy) if policy is not None else "None (nothing_saveable)"
+        rows.append(Comparison(name, kept, flops, median, peak, spread))
     return rows
+
+
+_NO_REMAT: Any = object()
+
+
+def _progress(steps: list[Any], show: bool) -> Iterator[Any]:
+    """The steps, with a progress line on stderr when `show`: tqdm's where installed."""
+    if not show:
+        yield from steps
+        return
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        for k, step in enumerate(steps, 1):
+            print(f"remat.compare: {k}/{len(steps)} {'no remat' if step is _NO_REMAT else step!r}", file=sys.stderr)
+            yield step
+        return
+    yield from tqdm(steps, desc="remat.compare", unit="policy")
+
+
+def _step_text(row: Comparison) -> str:
+    if row.step_seconds is None:
+        return "-"
+    spread = "" if row.step_spread_seconds is None else f" (IQR {row.step_spread_seconds * 1e3:.1f})"
+    return f"{row.step_seconds * 1e3:.1f} ms{spread}"
 
 
 def format_comparison(rows: Sequence[Comparison]) -> str:
@@ -115,7 +152,7 @@ def format_comparison(rows: Sequence[Comparison]) -> str:
             r.policy,
             human_bytes(r.kept_bytes),
             f"{human_flops(r.recompute_flops)}FLOP",
-            "-" if r.step_seconds is None else f"{r.step_seconds * 1e3:.1f} ms",
+            _step_text(r),
             "-" if r.peak_bytes is None else human_bytes(r.peak_bytes),
         )
         for r in rows
@@ -123,8 +160,9 @@ def format_comparison(rows: Sequence[Comparison]) -> str:
     return "\n".join(_table(header, table))
 
 
-def plot_frontier(rows: Sequence[Comparison], path: str, title: str = "memory kept vs recompute") -> None:
-    """Draw kept memory against recompute cost (step time when measured) as a PNG.
+def plot_frontier(rows: Sequence[Comparison], path: str, title: str | None = None) -> None:
+    """Draw kept memory against recompute cost (step time when measured, with its
+    interquartile range as a bar) as a PNG; the title says which.
 
     Needs matplotlib: `pip install 'remat[plot]'`.
     """
@@ -143,11 +181,14 @@ def plot_frontier(rows: Sequence[Comparison], path: str, title: str = "memory ke
         points.setdefault((round(x, 6), round(y, 6)), []).append(r.policy)
     fig, ax = plt.subplots(figsize=(8, 4.8))
     ax.scatter(xs, ys, color="tab:blue", zorder=3)
+    if timed and all(r.step_spread_seconds is not None for r in rows):
+        spreads = [r.step_spread_seconds * 1e3 / 2 for r in rows]  # type: ignore[operator]
+        ax.errorbar(xs, ys, xerr=spreads, fmt="none", ecolor="tab:blue", alpha=0.5, zorder=2)
     for k, ((x, y), labels) in enumerate(sorted(points.items())):
         ax.annotate(" = ".join(labels), (x, y), textcoords="offset points", xytext=(6, 8 if k % 2 else -12), fontsize=8)
-    ax.set_xlabel("forward+backward step (ms)" if timed else "recomputed in backward (MFLOP)")
+    ax.set_xlabel("forward+backward step, median (ms; bars: interquartile range)" if timed else "recomputed in backward (MFLOP)")
     ax.set_ylabel("kept for backward (MiB)")
-    ax.set_title(title)
+    ax.set_title(title or ("memory kept vs step time" if timed else "memory kept vs recompute"))
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -6,8 +6,9 @@ import collections
 import contextlib
 import contextvars
 import functools
-import warnings
-from typing import Any, Callable, Iterable, Iterator, Sequence
+import logging
+import time
+from typing import Any, Callable, Generic, Iterable, Iterator, ParamSpec, Sequence, TypeVar, overload
 
 import optree
 import torch
@@ -16,6 +17,7 @@ from remat.policies import MemoryBudget
 
 from .._core.errors import RematFallbackWarning, RematTraceError
 from .._core.locking import TRACE_LOCK
+from .._core.logs import logger, warn_at_user_line
 from .._core.no_remat import NO_REMAT, is_no_remat
 from .._core.torch_internals import (
     copy_into,
@@ -108,7 +110,12 @@ def region_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or type(fn).__qualname__
 
 
-class Rematerialized:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_M = TypeVar("_M", bound=torch.nn.Module)
+
+
+class Rematerialized(Generic[_P, _R]):
     """A function that recomputes, in backward, what its policy did not keep.
 
     Built by `remat`; call it like the function it wraps. `cache_info()` says how often it
@@ -214,7 +221,7 @@ class Rematerialized:
         self.__dict__.update(state)
         self._plans = self._plans_for(self.policy)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         if torch.compiler.is_compiling():  # dynamo traces this: lower to torch's selective checkpointing
             return self._call_under_compile(args, kwargs)
         override = _OVERRIDE.get()
@@ -249,7 +256,7 @@ class Rematerialized:
                 plan = plans.lookup(call.key, call.storage_offsets)
                 if plan is MISSING or not _hooks_as_traced(plan):
                     try:
-                        plan, traced = self._build(call, policy, plans)
+                        plan, traced = self._logged_build(call, policy, plans)
                     except RematTraceError as error:
                         if not self._replays_instead(error):
                             raise
@@ -297,15 +304,15 @@ class Rematerialized:
 
     def _say_replayed(self, error: RematTraceError, policy: Callable[..., bool] | None) -> None:
         """Say once per region that it runs replayed, and why."""
+        logger.info("remat(%s): runs replayed, as torch.utils.checkpoint runs it: %s", self.region, str(error).splitlines()[0])
         if not self._replays:
-            warnings.warn(
+            warn_at_user_line(
                 f"remat({self.region}) could not be traced, so it runs as torch.utils.checkpoint does (its Python "
                 f"again in backward, the policy asked op by op). Why: {error}\n"
                 f"Gradients, the random stream and in-place updates (BatchNorm statistics) are as without remat; "
                 f"torch.func transforms over this region raise.{replay_note(policy)} "
                 "Pass fallback=False to raise instead.",
                 RematFallbackWarning,
-                stacklevel=3,
             )
 
     def _replay(self, policy: Callable[..., bool] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -332,6 +339,21 @@ class Rematerialized:
     def _plans_for(self, policy: Callable[..., bool] | None) -> PlanCache:
         settings = (policy, self.static_argnums, self.static_argnames, self.debug, self.region)
         return plan_cache(self.fn, settings, self.region, self.cache_size)
+
+    def _logged_build(self, call: Call, policy: Callable[..., bool] | None, plans: PlanCache) -> tuple[Runnable | None, bool]:
+        """`_build`, saying in remat's log what it did, why and how long it took."""
+        if not logger.isEnabledFor(logging.INFO):
+            return self._build(call, policy, plans)
+        why = plans.why_traced(call.key, call.key_labels())
+        like, specialized, start = self._like, self._specialized, time.perf_counter()
+        plan, traced = self._build(call, policy, plans)
+        how = (
+            "took the plan of a like layer" if self._like > like
+            else "specialized its symbolic trace" if self._specialized > specialized
+            else "traced" if traced else "planned from a template"
+        )
+        logger.info("remat(%s): %s in %.0f ms (%s)", self.region, how, (time.perf_counter() - start) * 1e3, why)
+        return plan, traced
 
     def _build(self, call: Call, policy: Callable[..., bool] | None, plans: PlanCache) -> tuple[Runnable | None, bool]:
         """The plan for this call, and whether the function was traced for it (not when
@@ -433,6 +455,24 @@ class Rematerialized:
         return optree.tree_unflatten(plan.stage_one.out_spec, leaves)
 
 
+@overload
+def remat(
+    fn: _M, *, policy: Callable[..., bool] | None = None, static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (), debug: bool = False, cache_size: int = DEFAULT_CACHE_SIZE,
+    name: str | None = None, dynamic: bool = False, fallback: bool = True,
+) -> RematerializedModule: ...
+@overload
+def remat(
+    fn: Callable[_P, _R], *, policy: Callable[..., bool] | None = None, static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (), debug: bool = False, cache_size: int = DEFAULT_CACHE_SIZE,
+    name: str | None = None, dynamic: bool = False, fallback: bool = True,
+) -> Rematerialized[_P, _R]: ...
+@overload
+def remat(
+    fn: None = None, *, policy: Callable[..., bool] | None = None, static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (), debug: bool = False, cache_size: int = DEFAULT_CACHE_SIZE,
+    name: str | None = None, dynamic: bool = False, fallback: bool = True,
+) -> Callable[[Callable[_P, _R]], Rematerialized[_P, _R]]: ...
 def remat(
     fn: Callable[..., Any] | None = None,
     *,
@@ -533,5 +573,3 @@ class RematerializedModule(torch.nn.Module):
     def __repr__(self) -> str:
         return f"remat({self.wrapped_module!r}, policy={self.rematerialized.policy!r})"
 
-
-checkpoint = remat

@@ -699,3 +699,22 @@ def is_expanded_weight(t: Any) -> bool:
     from torch.nn.utils._expanded_weights.expanded_weights_impl import ExpandedWeight
 
     return isinstance(t, ExpandedWeight)
+
+
+class _DropNotice(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint under torch.compile" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def selective_checkpoint_compile_notice_off() -> Iterator[None]:
+    """Without the notice torch logs once when it compiles a checkpoint given a context_fn
+    (torch 2.13, _higher_order_ops/wrap.py, logger of that module): said to a user of
+    `remat(..., dynamic=True)`, who compiled nothing, it is noise."""
+    log = logging.getLogger("torch._higher_order_ops.wrap")
+    notice = _DropNotice()
+    log.addFilter(notice)
+    try:
+        yield
+    finally:
+        log.removeFilter(notice)

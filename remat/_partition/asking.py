@@ -4,15 +4,16 @@ answer True (may keep), False (recompute) or an Offload."""
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx
+from torch.utils.checkpoint import CheckpointPolicy
 
 from remat.policies import Offload, describe_group, op_key, references
 
 from .._core.errors import RematPolicyWarning
+from .._core.logs import warn_at_user_line
 from .._core.nodes import SCOPE_KEY, meta_arguments, node_name
 from .._core.torch_internals import OpOverload
 from .._trace.records import Scope
@@ -53,6 +54,12 @@ def answer_of(policy: Callable[..., bool], op: Any, args: Any, kwargs: dict[str,
     with torch.device(_META):  # a policy that runs the op (a factory too) runs it on meta tensors
         answer = policy(op, *args, **kwargs)
     if not isinstance(answer, (bool, Offload)):
+        if isinstance(answer, CheckpointPolicy):
+            raise TypeError(
+                f"remat policy {policy!r} returned {answer!r}: it looks like a torch selective-checkpoint "
+                "policy_fn(ctx, op, *args, **kwargs), whose signature differs from remat's "
+                "policy(op, *args, **kwargs) -> bool. Pass policies.from_selective_checkpoint(policy_fn)."
+            )
         raise TypeError(
             f"remat policy {policy!r} returned {answer!r} ({type(answer).__name__}) for op {op}; "
             "a policy must return True (may keep), False (recompute) or policies.Offload(...) (move to host)."
@@ -76,17 +83,15 @@ def warn_unmatched_references(scopes: Sequence[Scope], graph: torch.fx.Graph) ->
         missing_ops = [describe_group(group) for group in refs.ops if not group & ops[k]]
         missing_names = sorted(refs.names - names[k])
         if missing_ops:
-            warnings.warn(
+            warn_at_user_line(
                 f"remat({scope.region}): policy {scope.policy!r} names ops that never occur in the traced "
                 f"function: {', '.join(missing_ops)}. Ops that occur: {', '.join(sorted(ops[k])) or 'none'}.",
                 RematPolicyWarning,
-                stacklevel=4,
             )
         if missing_names:
-            warnings.warn(
+            warn_at_user_line(
                 f"remat({scope.region}): policy {scope.policy!r} names values that never occur: "
                 f"{', '.join(map(repr, missing_names))}. checkpoint_names that occur: "
                 f"{', '.join(map(repr, sorted(names[k]))) or 'none'}.",
                 RematPolicyWarning,
-                stacklevel=4,
             )

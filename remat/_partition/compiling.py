@@ -26,7 +26,12 @@ from remat.policies import MemoryBudget, Offload
 from .._core.errors import RematError
 from .._core.no_remat import NO_REMAT
 from .._core.nodes import meta_arguments, meta_like, producer
-from .._core.torch_internals import dispatch_modes_off, tracing_node, transforms_active_while_compiling
+from .._core.torch_internals import (
+    dispatch_modes_off,
+    selective_checkpoint_compile_notice_off,
+    tracing_node,
+    transforms_active_while_compiling,
+)
 from .asking import answer_of
 
 
@@ -177,4 +182,10 @@ def compiled_region(call: Callable[[tuple[Any, ...], dict[str, Any]], Any], regi
         return call(args, kwargs)
 
     own = types.FunctionType(run.__code__.replace(co_name=f"remat_{region}"[:80]), run.__globals__, closure=run.__closure__)
-    return torch.compile(own, backend="aot_eager")  # type: ignore[no-any-return]
+    compiled = torch.compile(own, backend="aot_eager")
+
+    def quiet(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        with selective_checkpoint_compile_notice_off():  # the user compiled nothing: torch's notice is not for them
+            return compiled(args, kwargs)
+
+    return quiet

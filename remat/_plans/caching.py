@@ -8,7 +8,6 @@ no lock. A function that keeps tracing gets a `RematRetraceWarning` saying what 
 from __future__ import annotations
 
 import inspect
-import warnings
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .._core.errors import RematRetraceWarning
 from .._core.locking import TRACE_LOCK
+from .._core.logs import warn_at_user_line
 from .._core.torch_internals import drop_fake_cache_entries
 from .like_layers import clear_like_layers
 from .sharing import clear_shared_plans
@@ -92,13 +92,23 @@ class PlanCache:
         previous, self._last = self._last, (key, labels)
         if self.traces >= RETRACE_WARNING_AFTER and self.traces >= 2 * self._warned_at:
             self._warned_at = self.traces
-            warnings.warn(
-                f"remat({self.region}) has traced {self.traces} times; {_what_changed(previous, key, labels)}. "
-                "Each new signature (shapes, dtypes, static values, closure values) costs a trace. Make "
-                "varying Python values tensors, or pass them as static arguments only when they take few values.",
-                RematRetraceWarning,
-                stacklevel=4,
+            advice = (
+                "Only tensor sizes changed: remat(fn, dynamic=True) (checkpoint_layers(..., dynamic=True)) traces "
+                "a symbolic size once instead."
+                if _only_sizes_changed(previous, key)
+                else "Each new signature (shapes, dtypes, static values, closure values) costs a trace. Make "
+                "varying Python values tensors, or pass them as static arguments only when they take few values."
             )
+            warn_at_user_line(
+                f"remat({self.region}) has traced {self.traces} times; {_what_changed(previous, key, labels)}. {advice}",
+                RematRetraceWarning,
+            )
+
+    def why_traced(self, key: tuple[Any, ...], labels: Sequence[str]) -> str:
+        """Why a call of this key is traced, for the log: the first, or what changed."""
+        if self._last is None:
+            return "first call"
+        return _what_changed(self._last, key, labels).replace("the last trace differed from the one before", "the call differs from the last trace")
 
     def clear(self) -> None:
         self.plans.clear()
@@ -117,10 +127,25 @@ def _what_changed(previous: tuple[tuple[Any, ...], Sequence[str]] | None, key: t
     return "the last trace differed from the one before in " + "; ".join(changes[:4]) if changes else "nothing changed"
 
 
+def _is_tensor_signature(part: Any) -> bool:
+    return isinstance(part, tuple) and len(part) == 5 and isinstance(part[0], tuple)
+
+
+def _only_sizes_changed(previous: tuple[tuple[Any, ...], Sequence[str]] | None, key: tuple[Any, ...]) -> bool:
+    """Whether the key differs from the previous trace's only in tensor sizes (and strides)."""
+    if previous is None or len(previous[0]) != len(key):
+        return False
+    changed = [(old, new) for old, new in zip(previous[0], key) if old != new]
+    return bool(changed) and all(
+        _is_tensor_signature(old) and _is_tensor_signature(new) and len(old[0]) == len(new[0]) and old[2:] == new[2:]
+        for old, new in changed
+    )
+
+
 def _describe_part(part: Any) -> str:
     """A key part: a tensor signature (shape, strides, dtype, device, needs grad), a static
     value as (type, value), or anything else."""
-    if isinstance(part, tuple) and len(part) == 5 and isinstance(part[0], tuple):
+    if _is_tensor_signature(part):
         shape, _, dtype, device, needs = part
         return f"{str(dtype).replace('torch.', '')}{list(shape)} on {device}{', needs grad' if needs else ''}"
     if isinstance(part, tuple) and len(part) == 2 and isinstance(part[0], type):

@@ -127,3 +127,17 @@ def test_the_budget_benchmark_meets_torch_s_frontier(tmp_path: Path) -> None:
     assert result["remat"][0]["recomputed_flops"] > 0 == result["remat"][-1]["recomputed_flops"]
     assert all(c["met"] for c in result["comparison"]), result["comparison"]
     assert "| torch f |" in markdown.read_text()
+
+
+def test_the_one_line_benchmark_runs_every_variant() -> None:
+    """bench/one_line.py at its quick size: every variant of both models timed, and the ratio
+    of the one-liner to checkpoint_layers reported (its value is the benchmark's to judge)."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "one_line.py"), "--quick"], capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| llama") or line.startswith("| gpt2")]
+    variants = {"checkpoint_model", "checkpoint_layers", "transformers' own", "plain", "ratio: checkpoint_model / checkpoint_layers"}
+    assert {(row.split("|")[1].strip(), row.split("|")[2].strip()) for row in rows} == {
+        (model, variant) for model in ("llama", "gpt2") for variant in variants
+    }

@@ -71,7 +71,8 @@ def test_compare_orders_policies_by_memory_and_recompute(tmp_path: Path) -> None
     assert nothing.kept_bytes < dots.kept_bytes < everything.kept_bytes == plain.kept_bytes
     assert nothing.recompute_flops > dots.recompute_flops > everything.recompute_flops == 0
     assert all(r.step_seconds is not None and r.step_seconds > 0 for r in rows)
-    assert set(rows[0].as_dict()) == {"policy", "kept_bytes", "recompute_flops", "step_seconds", "peak_bytes"}
+    assert set(rows[0].as_dict()) == {"policy", "kept_bytes", "recompute_flops", "step_seconds", "peak_bytes", "step_spread_seconds"}
+    assert all(r.step_spread_seconds is not None and r.step_spread_seconds >= 0 for r in rows)
     assert format_comparison(rows).splitlines()[0].split() == ["policy", "kept", "recompute", "step", "peak"]
     pytest.importorskip("matplotlib")
     plot_frontier(rows, str(tmp_path / "frontier.png"))
@@ -98,7 +99,8 @@ def test_policy_schedule_forms() -> None:
     assert policy_schedule(d, 3) == [d, d, d]
     assert policy_schedule([d, n, None], 3) == [d, n, None]
     assert policy_schedule(lambda i: d if i < 2 else n, 4) == [d, d, n, n]
-    assert policy_schedule({"0": n, "blocks.1*": d, "*": None}, ["blocks.0", "blocks.10", "blocks.2"]) == [None, d, None]
+    assert policy_schedule({"0": n, "blocks.10": d, "*": None}, ["blocks.0", "blocks.10", "blocks.2"]) == [None, d, None]
+    assert policy_schedule({range(1, 3): d, "blocks": n}, ["blocks.0", "blocks.1", "blocks.2"]) == [n, d, d]
     assert policy_schedule({0: n, "*": d}, 2) == [n, d]
     with pytest.raises(ValueError, match="3 policies given for 2 layers"):
         policy_schedule([d, d, d], 2)

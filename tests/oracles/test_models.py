@@ -31,6 +31,7 @@ from torch.func import functional_call, grad, grad_and_value, vmap
 import remat
 from remat import RematError
 from remat import policies as P
+from remat._api.torch_style import _REGIONS
 
 from conftest import BUILT_IN_POLICIES, assert_close
 
@@ -387,3 +388,72 @@ def test_what_transformers_records_with_hooks_matches_no_remat(name: str) -> Non
     model = copy.deepcopy(reference)
     remat.checkpoint_layers(model.model.layers, MODEL_POLICIES[policy_name])
     assert_close(_recorded_steps(model, flags), _recorded_steps(reference, flags), rtol=1e-10, atol=1e-12)
+
+
+# ---------------------------------------------------------------- the whole model in one line
+
+ONE_LINE = {  # architecture: (build, the policy it is tested under)
+    "llama": (lambda: Z.llama("sdpa", use_cache=True), "dots"),
+    "gpt2": (lambda: Z.gpt2("eager", use_cache=True), "nothing"),
+    "bert": (lambda: Z.bert("sdpa"), "dots_no_batch"),
+    "mistral": (lambda: Z.mistral("sdpa"), "budget"),
+    "t5": (lambda: Z.t5("eager", use_cache=True), "dots_attention"),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE_LINE))
+def test_checkpoint_model_trains_a_transformers_model_as_without_remat_tracing_each_layer_once(name: str) -> None:
+    """`remat.checkpoint_model(model, policy)` through transformers' own checkpointing switch:
+    in training the model turns its cache off (as under its own checkpointing), every layer
+    is a region named by its path that traces once and then runs from its cache while each
+    step brings a new `functools.partial`; loss, gradients, buffers and the random stream
+    as without remat (with the cache off, what the model runs under any checkpointing)."""
+    build, policy_name = ONE_LINE[name]
+    torch.manual_seed(0)
+    reference = build()
+    model = copy.deepcopy(reference)
+    schedule = remat.checkpoint_model(model, MODEL_POLICIES[policy_name])
+    layers = [m for path, m in model.named_modules() if path in schedule]
+    assert len(schedule) == len(layers) >= 2 and all(p is MODEL_POLICIES[policy_name] for p in schedule.values())
+    batch = (Z._padded_tokens if name == "bert" else Z._tokens)(Z.BATCH)
+    case = Z.Case(name, build, lambda m: m, lambda n: batch, Z._hf_loss)
+    reference_kwargs = {} if name in ("bert", "mistral") else {"use_cache": False}
+    expected = _backward_steps_with(case, reference, reference_kwargs)
+    _assert_steps_match(_backward_steps(case, model), expected)
+    regions = [region for layer in layers for region in _REGIONS.table(layer).values()]
+    assert len(regions) == len(layers)
+    for region in regions:
+        info = region.cache_info()
+        assert info["traces"] + info["like"] == 1 and info["hits"] == 1 and info["replays"] == 0, info
+    by_region = remat.report(lambda **kw: model(**kw).loss, **case.model_kwargs(batch)).by_region()
+    assert set(by_region) == set(schedule)
+
+
+def _backward_steps_with(case: Z.Case, model: torch.nn.Module, extra: dict[str, Any]) -> Any:
+    """`_backward_steps`, the model called with `extra` keywords too."""
+    call = model.forward
+    model.forward = functools.partial(call, **extra)  # type: ignore[method-assign]
+    try:
+        return _backward_steps(case, model)
+    finally:
+        del model.forward
+
+
+def test_checkpoint_model_gives_each_layer_its_policy_and_a_share_of_a_budget() -> None:
+    """Per-layer specs by path and index range; "no remat" leaves a layer to transformers'
+    plain forward; `budget=` gives the others a share each; the model's own switch turns
+    it all off again."""
+    torch.manual_seed(0)
+    reference = Z.t5("eager")
+    model = copy.deepcopy(reference)
+    schedule = remat.checkpoint_model(model, {"decoder.block.1": "no remat", "*": None}, budget=1 << 16)
+    assert schedule["decoder.block.1"] == "no remat"
+    shares = [p for path, p in schedule.items() if path != "decoder.block.1"]
+    assert shares == [P.memory_budget((1 << 16) // 3)] * 3
+    batch = Z._tokens(Z.BATCH)
+    case = Z.Case("t5", lambda: model, lambda m: m, lambda n: batch, Z._hf_loss)
+    _assert_steps_match(_backward_steps(case, model), _backward_steps(case, reference))
+    no_remat = dict(model.named_modules())["decoder.block.1"]
+    assert not _REGIONS.table(no_remat)
+    model.activation_checkpointing_disable()
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())

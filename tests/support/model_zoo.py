@@ -133,6 +133,18 @@ def qwen3_moe(attn_implementation: str, experts: str = "batched_mm") -> nn.Modul
     return _hf(config, Qwen3MoeForCausalLM, attn_implementation)
 
 
+def t5(attn_implementation: str, use_cache: bool = False) -> nn.Module:
+    """An encoder-decoder: two stacks of layers (encoder.block, decoder.block)."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=VOCAB, d_model=HIDDEN, d_kv=HIDDEN // HEADS, d_ff=INTERMEDIATE, num_layers=LAYERS,
+        num_decoder_layers=LAYERS, num_heads=HEADS, dropout_rate=DROPOUT, decoder_start_token_id=0, pad_token_id=0,
+        use_cache=use_cache,
+    )
+    return _hf(config, T5ForConditionalGeneration, attn_implementation)
+
+
 def bloom(attn_implementation: str) -> nn.Module:
     """Bloom's MLP runs its GeLU as a custom torch.autograd.Function in training."""
     from transformers import BloomConfig, BloomForCausalLM
