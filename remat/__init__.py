@@ -38,7 +38,16 @@ from ._api.layers import checkpoint_layers, policy_schedule
 from ._api.measuring import saved_tensor_bytes
 from ._api.models import checkpoint_model
 from ._api.naming import checkpoint_name
-from ._api.reports import Recompute, Report, Residual, print_saved_residuals, report, saved_residuals
+from ._api.reports import (
+    Recompute,
+    RegionTotals,
+    Report,
+    Residual,
+    plot_by_region,
+    print_saved_residuals,
+    report,
+    saved_residuals,
+)
 from ._api.torch_style import apply_activation_checkpointing, checkpoint, checkpoint_sequential
 from ._core.errors import (
     RecomputeMismatchError,
@@ -57,6 +66,8 @@ __all__ = [
     "checkpoint_name",
     "saved_residuals",
     "print_saved_residuals",
+    "plot_by_region",
+    "RegionTotals",
     "saved_tensor_bytes",
     "Residual",
     "Report",

@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import optree
 import torch
@@ -42,6 +42,13 @@ class Recompute:
     region: str
 
 
+class RegionTotals(NamedTuple):
+    """One region's totals in a report (a tuple: `kept, flops = totals`)."""
+
+    kept_bytes: int
+    recompute_flops: int
+
+
 @dataclass
 class Report:
     """What the remat regions reached by a call keep and recompute, one entry per region call."""
@@ -64,22 +71,38 @@ class Report:
     def recompute_flops(self) -> int:
         return sum(r.flops for r in self.recomputes)
 
-    def by_region(self) -> dict[str, tuple[int, int]]:
-        """Per region: (bytes kept, FLOPs recomputed)."""
+    def by_region(self) -> dict[str, RegionTotals]:
+        """Per region, in call order: bytes kept and FLOPs recomputed."""
         totals: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for r in self.residuals:
             totals[r.region][0] += r.nbytes if r.kind != "offloaded" else 0
         for c in self.recomputes:
             totals[c.region][1] += c.flops
-        return {region: (kept, flop) for region, (kept, flop) in totals.items()}
+        return {region: RegionTotals(kept, flop) for region, (kept, flop) in totals.items()}
+
+    def _kinds(self) -> dict[str, str]:
+        """Per region, how many tensors of each kind it keeps, for people."""
+        counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for r in self.residuals:
+            counts[r.region][r.kind] += 1
+        return {region: ", ".join(f"{n} {kind}" for kind, n in kinds.items()) for region, kinds in counts.items()}
 
     def __str__(self) -> str:
+        """Per region first (with the total), then what is kept, a module's parameters and
+        buffers on one line per region, then what backward recomputes."""
+        kinds = self._kinds()
+        lines = ["per region:"]
+        lines += _table(
+            ("region", "kept", "recomputed FLOPs", "kept tensors"),
+            [(reg, human_bytes(kept), human_flops(flop), kinds.get(reg, "-")) for reg, (kept, flop) in self.by_region().items()],
+        )
+        offloaded = f"; {human_bytes(self.offloaded_bytes)} offloaded to host memory" if self.offloaded_bytes else ""
+        lines.append(
+            f"total: {self.kept_bytes} bytes ({human_bytes(self.kept_bytes)}) in {len(self.residuals)} tensors{offloaded}; "
+            f"backward recomputes {human_flops(self.recompute_flops)}FLOP"
+        )
         header = ("region", "kind", "op", "name", "shape", "dtype", "bytes", "source")
-        rows = [
-            (r.region, r.kind, _op(r.op), r.name or "-", str(list(r.shape)), _dtype(r.dtype), human_bytes(r.nbytes), r.source or "-")
-            for r in self.residuals
-        ]
-        lines = _table(header, rows)
+        lines += ["", "kept for backward:"] + _table(header, _residual_rows(self.residuals))
         if self.recomputes:
             lines += ["", "recomputed in backward:"]
             grouped: dict[tuple[str, str, str], list[int]] = defaultdict(list)
@@ -89,17 +112,62 @@ class Report:
                 ("region", "op", "source", "times", "FLOPs"),
                 [(reg, op, src, str(len(f)), human_flops(sum(f))) for (reg, op, src), f in grouped.items()],
             )
-        lines += ["", "per region:"]
-        lines += _table(
-            ("region", "kept", "recomputed FLOPs"),
-            [(reg, human_bytes(kept), human_flops(flop)) for reg, (kept, flop) in self.by_region().items()],
-        )
-        offloaded = f"; {human_bytes(self.offloaded_bytes)} offloaded to host memory" if self.offloaded_bytes else ""
-        lines.append(
-            f"total: {self.kept_bytes} bytes ({human_bytes(self.kept_bytes)}) in {len(self.residuals)} tensors{offloaded}; "
-            f"backward recomputes {human_flops(self.recompute_flops)}FLOP"
-        )
         return "\n".join(lines)
+
+
+_MODULE_STATE = "self."  # the source of a tensor a module region reads from its module
+
+
+def _residual_rows(residuals: Sequence[Residual]) -> list[tuple[str, ...]]:
+    """One row per kept tensor, except a module region's parameters and buffers: one row
+    per region for all of them (kept by reference, they are the model's own memory)."""
+
+    def is_state(r: Residual) -> bool:
+        return r.kind == "input" and (r.source or "").startswith(_MODULE_STATE)
+
+    state: dict[str, list[Residual]] = defaultdict(list)
+    for r in residuals:
+        if is_state(r):
+            state[r.region].append(r)
+    rows: list[tuple[str, ...]] = []
+    for r in residuals:
+        if not is_state(r):
+            rows.append((r.region, r.kind, _op(r.op), r.name or "-", str(list(r.shape)), _dtype(r.dtype), human_bytes(r.nbytes), r.source or "-"))
+        elif r is state[r.region][0]:
+            group = state[r.region]
+            dtypes = ", ".join(sorted({_dtype(g.dtype) for g in group}))
+            total = human_bytes(sum(g.nbytes for g in group))
+            rows.append((r.region, "input", "-", "-", f"{len(group)} tensors", dtypes, total, "self.* (parameters and buffers)"))
+    return rows
+
+
+def plot_by_region(report: Report, path: str, title: str = "kept for backward, per region") -> None:
+    """A stacked bar per region of what it keeps, by kind (inputs, intermediates, random
+    states, offloaded), as a PNG. Needs matplotlib: `pip install 'remat[plot]'`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("plot_by_region needs matplotlib: pip install 'remat[plot]'") from None
+    regions = list(report.by_region())
+    kinds = list(dict.fromkeys(r.kind for r in report.residuals))
+    mib: dict[str, list[float]] = {kind: [0.0] * len(regions) for kind in kinds}
+    for r in report.residuals:
+        mib[r.kind][regions.index(r.region)] += r.nbytes / 2**20
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(regions) + 2), 4.8))
+    bottom = [0.0] * len(regions)
+    for kind in kinds:
+        ax.bar(regions, mib[kind], bottom=bottom, label=kind)
+        bottom = [b + v for b, v in zip(bottom, mib[kind])]
+    ax.set_ylabel("kept for backward (MiB)")
+    ax.set_title(title)
+    ax.legend()
+    ax.tick_params(axis="x", labelrotation=60)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _op(op: Any) -> str:

@@ -16,6 +16,7 @@ from remat import (
     checkpoint_name,
     compare,
     format_comparison,
+    plot_by_region,
     plot_frontier,
     policy_schedule,
     remat,
@@ -60,7 +61,8 @@ def test_report_totals_per_region_and_overall() -> None:
     assert sum(kept for kept, _ in regions.values()) == found.kept_bytes
     assert sum(flop for _, flop in regions.values()) == found.recompute_flops > 0
     text = str(found)
-    assert "recomputed in backward:" in text and "per region:" in text and text.splitlines()[-1].startswith("total:")
+    assert text.startswith("per region:") and "kept for backward:" in text and "recomputed in backward:" in text
+    assert text.index("total:") < text.index("kept for backward:") < text.index("recomputed in backward:")
 
 
 def test_compare_orders_policies_by_memory_and_recompute(tmp_path: Path) -> None:
@@ -195,3 +197,27 @@ def test_unmatched_op_or_name_warns_with_what_occurs() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         remat(block, policy=P.save_ops(torch.ops.aten.mm) | P.save_only_these_names("hidden"))(x, _params(1)[0])
+
+
+def test_reports_at_model_scale_put_each_layer_first_and_a_module_s_state_on_one_line(tmp_path: Path) -> None:
+    """A layer stack's report: one summary row per layer, labeled totals, a module region's
+    parameters and buffers as one row per layer (not one per tensor), and a bar chart."""
+    model = torch.nn.Sequential(*[Block() for _ in range(3)])
+    checkpoint_layers(model, P.dots_saveable, prefix="blocks")
+    x = X.clone().requires_grad_()
+    found = report(lambda x: model(x).sum(), x)
+    totals = found.by_region()
+    assert list(totals) == ["blocks.0", "blocks.1", "blocks.2"]
+    assert all(t == (t.kept_bytes, t.recompute_flops) for t in totals.values())
+    assert sum(t.kept_bytes for t in totals.values()) == found.kept_bytes
+    lines = str(found).splitlines()
+    summary = lines[2:5]
+    assert [line.split()[0] for line in summary] == ["blocks.0", "blocks.1", "blocks.2"]
+    state = [r for r in found.residuals if r.kind == "input" and (r.source or "").startswith("self.")]
+    assert len(state) > 3  # several parameters per layer ...
+    rows = [line for line in lines if "self.* (parameters and buffers)" in line]
+    assert len(rows) == 3  # ... shown as one row per layer
+    assert not any(line.rstrip().endswith(".weight") for line in lines)
+    pytest.importorskip("matplotlib")
+    plot_by_region(found, str(tmp_path / "layers.png"))
+    assert (tmp_path / "layers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

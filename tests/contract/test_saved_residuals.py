@@ -62,17 +62,22 @@ def test_report_equals_measured_bytes() -> None:
 
 
 def test_print_is_a_table_with_recompute_costs_and_totals(capsys: pytest.CaptureFixture[str]) -> None:
+    """The per-region summary and the total first, then what is kept, then what is recomputed."""
     x, params = _args()
     print_saved_residuals(remat(layer, policy=P.dots_saveable), x, params)
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[0].split() == ["region", "kind", "op", "name", "shape", "dtype", "bytes", "source"]
+    assert lines[0] == "per region:" and lines[1].split() == ["region", "kept", "recomputed", "FLOPs", "kept", "tensors"]
+    kept_at = lines.index("kept for backward:")
+    assert lines[kept_at + 1].split() == ["region", "kind", "op", "name", "shape", "dtype", "bytes", "source"]
     assert any(line.split()[:3] == ["layer", "input", "-"] and line.endswith("x") for line in lines)
     assert any("aten.mm.default" in line and "test_saved_residuals.py:" in line for line in lines)
     gelu = next(line for line in lines if line.startswith("layer") and "aten.gelu.default" in line)
     assert gelu.split()[-1] == "20"  # 4x5 elements, one FLOP each
     total = report(remat(layer, policy=P.dots_saveable), x, params)
-    assert lines[-1].startswith(f"total: {total.kept_bytes} bytes")
+    assert next(line for line in lines if line.startswith("total:")).startswith(f"total: {total.kept_bytes} bytes")
+    assert lines.index(next(line for line in lines if line.startswith("total:"))) < kept_at
     assert total.recompute_flops == 20 and total.by_region() == {"layer": (total.kept_bytes, 20)}
+    assert total.by_region()["layer"].recompute_flops == 20
 
 
 def test_recompute_flops_count_matmuls_with_torch_formulas() -> None:
