@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import remat._api.decorator
 import remat._api.layers
 import remat._api.naming
-import remat._api.decorator
 
 
 @pytest.mark.parametrize("module", [remat._api.decorator, remat._api.naming, remat._api.layers])
