@@ -75,8 +75,9 @@ def _is_transformers_model(model: torch.nn.Module) -> bool:
 
 
 def _stacks(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
-    """(path, layers) of each outermost stack of like layers; an `nn.Sequential` model's
-    children are its one stack."""
+    """(path, layers) of each outermost stack of like layers (a ModuleList of modules of one
+    class, or a Sequential of two or more); an `nn.Sequential` model's children are its
+    one stack."""
     if type(model) is torch.nn.Sequential:
         return [("", list(model))]
     found: list[tuple[str, list[torch.nn.Module]]] = []
@@ -84,7 +85,8 @@ def _stacks(model: torch.nn.Module) -> list[tuple[str, list[torch.nn.Module]]]:
         if any(path.startswith(p + ".") for p, _ in found) or not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)):
             continue
         layers = list(module)
-        if len(layers) >= 2 and len({type(layer) for layer in layers}) == 1:
+        least = 1 if isinstance(module, torch.nn.ModuleList) else 2  # a Sequential of one is a wrapper, not a stack
+        if len(layers) >= least and len({type(layer) for layer in layers}) == 1:
             found.append((path, layers))
     return found
 

@@ -457,3 +457,18 @@ def test_checkpoint_model_gives_each_layer_its_policy_and_a_share_of_a_budget() 
     assert not _REGIONS.table(no_remat)
     model.activation_checkpointing_disable()
     assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
+@pytest.mark.parametrize("case_name", [case.name for case in Z.OWN_CASES])
+def test_checkpoint_model_finds_the_layers_of_other_models(case_name: str) -> None:
+    """Models that are not transformers': the one-liner finds the stack `checkpoint_layers`
+    is given elsewhere in this file (a timm-style ViT's blocks, torch's encoder layers,
+    mixture-of-experts blocks, not the experts inside them) and trains as without remat."""
+    case = CASES[case_name]
+    reference = copy.deepcopy(_prototype(case_name))
+    model = copy.deepcopy(reference)
+    schedule = remat.checkpoint_model(model, P.dots_saveable)
+    paths = {id(m): path for path, m in model.named_modules()}
+    assert list(schedule) == [paths[id(layer)] for layer in case.layers(model)]
+    _assert_steps_match(_backward_steps(case, model), _backward_steps(case, reference))
+    _assert_rematerialized(case, model, hits=1)
