@@ -696,9 +696,15 @@ def is_expanded_weight(t: Any) -> bool:
     """Whether `t` is an ExpandedWeight, the per-sample-gradient wrapper of
     `torch.nn.utils._per_sample_grad.call_for_per_sample_grads` (torch 2.13,
     nn/utils/_expanded_weights/expanded_weights_impl.py)."""
+    return isinstance(t, _expanded_weight_class())
+
+
+@functools.cache
+def _expanded_weight_class() -> type:
+    """Imported on first use (the module imports torch.func machinery), then looked up once."""
     from torch.nn.utils._expanded_weights.expanded_weights_impl import ExpandedWeight
 
-    return isinstance(t, ExpandedWeight)
+    return ExpandedWeight
 
 
 class _DropNotice(logging.Filter):

@@ -508,6 +508,10 @@ _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor) -> None:
     """Sparse and other unstrided tensors, ExpandedWeights and tensor subclasses with their
     own dispatch (DTensor) have no fake stand-in remat can trace with."""
+    if type(t) in _PLAIN_TENSORS:  # the common case, asked per argument and captured tensor on every call
+        if t.layout is not torch.strided:
+            _refuse_layout(fn, path, t)
+        return
     if is_expanded_weight(t):  # it answers no attribute read (`.layout` raises)
         raise RematTraceError(
             f"remat({_qualname(fn)}): {path} is an ExpandedWeight (per-sample gradients: "
@@ -520,11 +524,18 @@ def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor) -> Non
             "(such as DTensor for tensor parallelism), and remat traces plain tensors only."
         )
     if t.layout != torch.strided:
-        raise RematTraceError(
-            f"remat({_qualname(fn)}): argument {path} is a {t.layout} tensor; remat traces strided "
-            "(dense) tensors only. Convert it with `.to_dense()` before the call, or keep the sparse "
-            "op outside the remat'd function."
-        )
+        _refuse_layout(fn, path, t)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _refuse_layout(fn: Callable[..., Any], path: str, t: torch.Tensor) -> None:
+    raise RematTraceError(
+        f"remat({_qualname(fn)}): argument {path} is a {t.layout} tensor; remat traces strided "
+        "(dense) tensors only. Convert it with `.to_dense()` before the call, or keep the sparse "
+        "op outside the remat'd function."
+    )
 
 
 Setter = Callable[[Any], None]
