@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import functools
 import types
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -107,28 +106,30 @@ def _check_determinism(check: Any) -> None:
 
 
 class _Regions:
-    """Regions by what a function runs: per owner object (held weakly, so a model's regions
-    go with it), per code and options. Owners that take no weak reference (builtins) are
-    few and live for the process; they are held in a bounded table."""
+    """Regions by what a function runs: per owner object, per code and options. The table
+    lives on the owner (in its `__dict__`, as `checkpoint_layers`' wrapper does), so a
+    model's regions, which hold its bound methods, go with the model: a table held here
+    by a weak key would keep it alive through its own values. Owners without a `__dict__`
+    (builtins) are few and live for the process; they are held in a bounded table."""
 
     def __init__(self, bound: int = 256) -> None:
-        self._weak: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
         self._strong: collections.OrderedDict[int, tuple[Any, dict[Any, Any]]] = collections.OrderedDict()
         self._bound = bound
 
     def table(self, owner: Any) -> dict[Any, Any]:
-        try:
-            return self._weak.setdefault(owner, {})
-        except TypeError:
-            entry = self._strong.get(id(owner))
-            if entry is None or entry[0] is not owner:
-                entry = self._strong[id(owner)] = (owner, {})
-            self._strong.move_to_end(id(owner))
-            while len(self._strong) > self._bound:
-                self._strong.popitem(last=False)
-            return entry[1]
+        attributes = getattr(owner, "__dict__", None)
+        if isinstance(attributes, dict):
+            return attributes.setdefault(_TABLE, {})  # type: ignore[no-any-return]
+        entry = self._strong.get(id(owner))
+        if entry is None or entry[0] is not owner:
+            entry = self._strong[id(owner)] = (owner, {})
+        self._strong.move_to_end(id(owner))
+        while len(self._strong) > self._bound:
+            self._strong.popitem(last=False)
+        return entry[1]
 
 
+_TABLE = "_remat_regions"
 _REGIONS = _Regions()
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
+import weakref
 
 import pytest
 import torch
@@ -331,3 +333,37 @@ def test_ported_an_output_that_needs_no_gradient_beside_one_that_does() -> None:
     out = remat.checkpoint(lambda a, b: (a * 2, b), x, y, use_reentrant=True)
     out[0].sum().backward()
     assert torch.equal(x.grad, torch.full((1, 4), 2.0)) and not out[1].requires_grad
+
+
+def test_the_call_form_composes_with_torch_func_where_torch_s_checkpoint_cannot() -> None:
+    """grad and vmap(grad) through remat.checkpoint's call form equal no remat; torch's own
+    checkpoint raises under them (saved-tensor hooks)."""
+    x, w = _inputs()
+    x, w = x.detach(), w.detach()
+
+    def loss(w: torch.Tensor, x: torch.Tensor, call: object) -> torch.Tensor:
+        return call(x, w).pow(2).sum()  # type: ignore[operator]
+
+    def deterministic(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w) @ w.t()
+
+    ours = lambda x, w: remat.checkpoint(deterministic, x, w, use_reentrant=False)  # noqa: E731
+    theirs = lambda x, w: torch.utils.checkpoint.checkpoint(deterministic, x, w, use_reentrant=False)  # noqa: E731
+    assert torch.equal(torch.func.grad(loss)(w, x, ours), torch.func.grad(loss)(w, x, deterministic))
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0, None))
+    assert_close(per_sample(w, x, ours), per_sample(w, x, deterministic), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="saved tensor hooks"):
+        torch.func.grad(loss)(w, x, theirs)
+
+
+def test_a_layer_checkpointed_through_the_call_form_is_freed_with_its_regions() -> None:
+    """The region cache keyed by a layer lives on the layer: deleting the model frees it
+    (a table held by remat, whose regions hold the layer's bound methods, kept it alive)."""
+    layer = _Block().to(D)
+    alive = weakref.ref(layer)
+    x = torch.randn(2, 6, dtype=D)
+    for _ in range(2):
+        remat.checkpoint(functools.partial(_Block.forward, layer), x, use_reentrant=False).sum().backward()
+    del layer
+    gc.collect()
+    assert alive() is None

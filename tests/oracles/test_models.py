@@ -472,3 +472,20 @@ def test_checkpoint_model_finds_the_layers_of_other_models(case_name: str) -> No
     assert list(schedule) == [paths[id(layer)] for layer in case.layers(model)]
     _assert_steps_match(_backward_steps(case, model), _backward_steps(case, reference))
     _assert_rematerialized(case, model, hits=1)
+
+
+def test_checkpoint_model_composes_with_functional_call_and_grad() -> None:
+    """The one-liner's regions under torch.func: grad over functional_call's parameters of a
+    transformers Llama equals no remat (transformers' own checkpointing cannot run there)."""
+    case = CASES["llama-sdpa"]
+    reference = copy.deepcopy(_prototype(case.name))
+    model = copy.deepcopy(reference)
+    remat.checkpoint_model(model, P.dots_saveable)
+    batch = case.batch(Z.BATCH)
+
+    def grads(module: torch.nn.Module) -> Any:
+        params = {k: v.detach() for k, v in module.named_parameters()}
+        torch.manual_seed(SEED)
+        return grad_and_value(lambda p: functional_call(module, p, (), case.model_kwargs(batch)).loss)(params)
+
+    assert_close(grads(model), grads(reference))
