@@ -3,7 +3,7 @@
 against `checkpoint_layers` on the same layers, transformers' own checkpointing
 (torch.utils.checkpoint) and no checkpointing, in interleaved rounds of one run.
 
-    python bench/one_line.py            # tiny Llama and GPT-2, 7 rounds x 20 steps, one thread
+    python bench/one_line.py            # tiny Llama, GPT-2, BERT, Mistral, T5; 7 rounds x 20 steps, one thread
     python bench/one_line.py --quick    # 2 rounds x 2 steps (what the test runs)
 
 Each step is forward + backward of the causal-LM loss, batch 2, sequence 16, float32,
@@ -32,37 +32,62 @@ VOCAB, SEQ, BATCH = 100, 16, 2
 
 
 def _models() -> dict[str, Callable[[], torch.nn.Module]]:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    import transformers as T
 
     def llama() -> torch.nn.Module:
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1)
-        return LlamaForCausalLM(config)
+        config = T.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1)
+        return T.LlamaForCausalLM(config)
 
     def gpt2() -> torch.nn.Module:
-        config = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=2 * SEQ)
-        return GPT2LMHeadModel(config)
+        return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=2 * SEQ))
 
-    return {"llama": llama, "gpt2": gpt2}
+    def bert() -> torch.nn.Module:
+        config = T.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                              intermediate_size=128, max_position_embeddings=2 * SEQ)
+        return T.BertForMaskedLM(config)
+
+    def mistral() -> torch.nn.Module:
+        config = T.MistralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                 num_attention_heads=4, num_key_value_heads=2, sliding_window=SEQ // 2, attention_dropout=0.1)
+        return T.MistralForCausalLM(config)
+
+    def t5() -> torch.nn.Module:
+        config = T.T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2,
+                            num_heads=4, decoder_start_token_id=0, pad_token_id=0)
+        return T.T5ForConditionalGeneration(config)
+
+    return {"llama": llama, "gpt2": gpt2, "bert": bert, "mistral": mistral, "t5": t5}
 
 
-def _variants(build: Callable[[], torch.nn.Module], layers: Callable[[Any], Any]) -> dict[str, torch.nn.Module]:
+STACKS: dict[str, Callable[[Any], list[Any]]] = {  # the layer stacks checkpoint_layers is given
+    "llama": lambda m: [m.model.layers],
+    "gpt2": lambda m: [m.transformer.h],
+    "bert": lambda m: [m.bert.encoder.layer],
+    "mistral": lambda m: [m.model.layers],
+    "t5": lambda m: [m.encoder.block, m.decoder.block],
+}
+
+
+def _variants(build: Callable[[], torch.nn.Module], stacks: Callable[[Any], list[Any]]) -> dict[str, torch.nn.Module]:
     torch.manual_seed(0)
     plain = build().train()
     one_line, stack, own = (copy.deepcopy(plain) for _ in range(3))
     remat.checkpoint_model(one_line, P.dots_saveable)
-    stack.config.use_cache = False  # else its layers fill a cache, which replays (checkpoint_model turns it off)
-    remat.checkpoint_layers(layers(stack), P.dots_saveable)
+    for module in stack.modules():  # else its layers fill a cache, which replays (checkpoint_model turns it off)
+        if getattr(module, "config", None) is not None:
+            module.config.use_cache = False  # T5's stacks hold configs of their own
+    for layers in stacks(stack):
+        remat.checkpoint_layers(layers, P.dots_saveable)
     own.activation_checkpointing_enable()
     return {"checkpoint_model": one_line, "checkpoint_layers": stack, "transformers' own": own, "plain": plain}
 
 
 def measure(rounds: int, steps: int) -> dict[str, dict[str, dict[str, float]]]:
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    stacks = {"llama": lambda m: m.model.layers, "gpt2": lambda m: m.transformer.h}
     results: dict[str, dict[str, dict[str, float]]] = {}
     for name, build in _models().items():
-        models = _variants(build, stacks[name])
+        models = _variants(build, STACKS[name])
 
         def step(model: torch.nn.Module) -> None:
             model(input_ids=ids, labels=ids).loss.backward()

@@ -136,8 +136,8 @@ def test_the_one_line_benchmark_runs_every_variant() -> None:
         [sys.executable, str(ROOT / "bench" / "one_line.py"), "--quick"], capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if line.startswith("| llama") or line.startswith("| gpt2")]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and not line.startswith("| model")]
     variants = {"checkpoint_model", "checkpoint_layers", "transformers' own", "plain", "ratio: checkpoint_model / checkpoint_layers"}
     assert {(row.split("|")[1].strip(), row.split("|")[2].strip()) for row in rows} == {
-        (model, variant) for model in ("llama", "gpt2") for variant in variants
+        (model, variant) for model in ("llama", "gpt2", "bert", "mistral", "t5") for variant in variants
     }
