@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -14,7 +17,9 @@ def saved_tensor_bytes(f: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     Counts what the graph of `f`'s outputs still holds when `f` returns (a backward run
     inside `f` frees what it saved, and that is not counted); views of one storage count
     once. Works for any function, with or without remat, so the two can be compared. The
-    outputs of `f` are dropped before returning.
+    outputs of `f` are dropped before returning. Code that installs saved-tensor hooks of
+    its own (torch.utils.checkpoint, a region remat replays) keeps what those hooks keep
+    out of sight: such a call warns that the count misses it.
     """
     held: list[weakref.ref[_Held]] = []
 
@@ -23,8 +28,16 @@ def saved_tensor_bytes(f: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
         held.append(weakref.ref(holder))
         return holder
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _Held.unpack):
+    with torch.autograd.graph.saved_tensors_hooks(pack, _Held.unpack), _hooks_entered() as inner:
         outputs = f(*args, **kwargs)
+    if inner:
+        warnings.warn(
+            f"saved_tensor_bytes: the function installed saved-tensor hooks of its own ({', '.join(sorted(inner))}); "
+            "what they keep (torch.utils.checkpoint's saved inputs and kept values) is not counted. To count a "
+            "remat region, use remat.report; to compare with torch.utils.checkpoint, measure CUDA peak memory.",
+            UserWarning,
+            stacklevel=2,
+        )
     storages: dict[tuple[Any, int], int] = {}
     for ref in held:
         holder = ref()
@@ -33,6 +46,26 @@ def saved_tensor_bytes(f: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
             storages[(holder.tensor.device, storage.data_ptr())] = storage.nbytes()
     del outputs
     return sum(storages.values())
+
+
+@contextlib.contextmanager
+def _hooks_entered() -> Iterator[set[str]]:
+    """The names of the saved-tensor hook contexts entered while it is open (checked on
+    torch 2.13: torch.utils.checkpoint's hooks subclass `saved_tensors_hooks`, whose
+    `__enter__` every one of them runs)."""
+    entered: set[str] = set()
+    hooks = torch.autograd.graph.saved_tensors_hooks
+    original = hooks.__enter__
+
+    def noting(self: Any) -> Any:
+        entered.add(type(self).__qualname__)
+        return original(self)
+
+    hooks.__enter__ = noting  # type: ignore[method-assign]
+    try:
+        yield entered
+    finally:
+        hooks.__enter__ = original  # type: ignore[method-assign]
 
 
 class _Held:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,3 +95,16 @@ def test_non_tensor_arguments_are_allowed() -> None:
     x, params = _args()
     found = saved_residuals(lambda x, p, scale: remat(layer)(x * scale, p), x, params, 2.0)
     assert [r.kind for r in found].count("input") == 3
+
+
+def test_saved_tensor_bytes_says_when_the_code_keeps_tensors_out_of_its_sight() -> None:
+    """torch.utils.checkpoint keeps what it saves through hooks of its own, which the count
+    cannot see: the call warns. A traced remat region and plain code do not."""
+    x, params = _args()
+    x.requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        saved_tensor_bytes(layer, x, params)
+        saved_tensor_bytes(remat(layer, policy=P.dots_saveable), x, params)
+    with pytest.warns(UserWarning, match="saved-tensor hooks of its own .*not counted"):
+        saved_tensor_bytes(lambda x: torch.utils.checkpoint.checkpoint(layer, x, params, use_reentrant=False), x)
