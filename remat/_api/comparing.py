@@ -13,7 +13,7 @@ import torch
 
 from .decorator import remat, using_policy, without_remat
 from .measuring import saved_tensor_bytes
-from .reports import _table, human_bytes, human_flops, report
+from .reports import _table, human_bytes, human_flops, pyplot, report
 
 
 @dataclass(frozen=True)
@@ -166,13 +166,7 @@ def plot_frontier(rows: Sequence[Comparison], path: str, title: str | None = Non
 
     Needs matplotlib: `pip install 'remat[plot]'`.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise ImportError("plot_frontier needs matplotlib: pip install 'remat[plot]'") from None
+    plt = pyplot("plot_frontier")
     timed = all(r.step_seconds is not None for r in rows)
     xs = [r.step_seconds * 1e3 if timed else r.recompute_flops / 1e6 for r in rows]  # type: ignore[operator]
     ys = [r.kept_bytes / 2**20 for r in rows]

@@ -141,16 +141,22 @@ def _residual_rows(residuals: Sequence[Residual]) -> list[tuple[str, ...]]:
     return rows
 
 
-def plot_by_region(report: Report, path: str, title: str = "kept for backward, per region") -> None:
-    """A stacked bar per region of what it keeps, by kind (inputs, intermediates, random
-    states, offloaded), as a PNG. Needs matplotlib: `pip install 'remat[plot]'`."""
+def pyplot(caller: str) -> Any:
+    """matplotlib's pyplot, drawing to files (Agg), or an ImportError saying how to get it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise ImportError("plot_by_region needs matplotlib: pip install 'remat[plot]'") from None
+        raise ImportError(f"{caller} needs matplotlib: pip install 'remat[plot]'") from None
+    return plt
+
+
+def plot_by_region(report: Report, path: str, title: str = "kept for backward, per region") -> None:
+    """A stacked bar per region of what it keeps, by kind (inputs, intermediates, random
+    states, offloaded), as a PNG. Needs matplotlib: `pip install 'remat[plot]'`."""
+    plt = pyplot("plot_by_region")
     regions = list(report.by_region())
     kinds = list(dict.fromkeys(r.kind for r in report.residuals))
     mib: dict[str, list[float]] = {kind: [0.0] * len(regions) for kind in kinds}

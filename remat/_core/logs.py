@@ -35,23 +35,17 @@ def _configure_from_environment() -> None:
 _configure_from_environment()
 
 
-def _frames(frame: types.FrameType | None) -> list[types.FrameType]:
-    found = []
-    while frame is not None:
-        found.append(frame)
-        frame = frame.f_back
-    return found
-
-
 def warn_at_user_line(message: str, category: type[Warning]) -> None:
     """`warnings.warn` pointing at the user's line that called into the region: the first
     frame outside torch, remat and installed packages (a transformers model's layer loop,
     nn.Module's call), or where there is none, the first outside torch and remat."""
-    frame = sys._getframe(1)
-    level = 1
-    outside = [f for f in _frames(frame) if not is_machinery_file(f.f_code.co_filename)]
-    user = next((f for f in outside if not is_installed_code(f.f_code)), outside[0] if outside else None)
-    while frame is not None and frame is not user:
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
-    warnings.warn(message, category, stacklevel=level + 1 if frame is not None else 2)
+    frame: types.FrameType | None = sys._getframe(1)
+    level, fallback = 1, None  # stack levels from here; the first frame outside torch and remat
+    while frame is not None:
+        if not is_machinery_file(frame.f_code.co_filename):
+            if not is_installed_code(frame.f_code):
+                break
+            fallback = fallback or level
+        frame, level = frame.f_back, level + 1
+    level = level if frame is not None else fallback or 1
+    warnings.warn(message, category, stacklevel=level + 1)
