@@ -554,6 +554,16 @@ def transforms_active_while_compiling() -> bool:
     return transforms_active()
 
 
+@torch._dynamo.assume_constant_result
+def graph_breaks_are_errors() -> bool:
+    """Whether the code dynamo traces now may not break its graph (`fullgraph=True`, or
+    `error_on_graph_break`), asked once at trace time (torch 2.13: the translator's flags)."""
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    translator = InstructionTranslator.current_tx()
+    return bool(translator.one_graph or translator.error_on_graph_break)
+
+
 # --- module hooks (torch 2.13 and 2.11: nn/modules/module.py, utils/hooks.py) -------------
 
 GLOBAL_FORWARD_HOOK_TABLES = ("_global_forward_pre_hooks", "_global_forward_hooks")

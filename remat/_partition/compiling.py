@@ -28,6 +28,7 @@ from .._core.no_remat import NO_REMAT
 from .._core.nodes import meta_arguments, meta_like, producer
 from .._core.torch_internals import (
     dispatch_modes_off,
+    graph_breaks_are_errors,
     selective_checkpoint_compile_notice_off,
     tracing_node,
     transforms_active_while_compiling,
@@ -82,6 +83,8 @@ class Decisions:
         self.region = region
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if isinstance(self.policy, MemoryBudget):  # reached under fullgraph only: see call_under_compile
+            raise budget_under_compile(self.policy, self.region)
         if self.policy is None or getattr(op, "is_view", False):  # a view is remade from its base, as in eager
             return CheckpointPolicy.PREFER_RECOMPUTE
         if op is NAMED_COPY:
@@ -134,17 +137,24 @@ def call_under_compile(
             "refuse. Either compile without the transform (torch.compile the model, then .backward()), or "
             "run the transform eagerly, where remat composes with every torch.func transform."
         )
-    if isinstance(policy, MemoryBudget):
-        raise RematError(
-            f"remat({region}): {policy!r} chooses what a whole region keeps by tracing it, which remat does "
-            "only in eager mode, not under torch.compile. Under compile use an op-by-op policy (e.g. "
-            "dots_saveable), or torch._functorch.config.activation_memory_budget, torch's own budget for "
-            "compiled graphs."
-        )
+    if isinstance(policy, MemoryBudget) and not graph_breaks_are_errors():
+        raise budget_under_compile(policy, region)  # dynamo breaks the graph here and runs the region eagerly
+    # under fullgraph the policy function raises it instead, while AOTAutograd traces: dynamo
+    # would hide an error raised here behind its own "observed exception"; the backend's
+    # failure names the RematError first and carries it as `inner_exception`
     # the region's own `debug=` must reach it, not checkpoint (a loop: torch 2.11's dynamo cannot trace `keys() & set`)
     if any(name in _CHECKPOINT_OWN_ARGUMENTS for name in kwargs):
         fn, kwargs = functools.partial(fn, **kwargs), {}
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+
+def budget_under_compile(policy: MemoryBudget, region: str) -> RematError:
+    return RematError(
+        f"remat({region}): {policy!r} chooses what a whole region keeps by tracing it, which remat does "
+        "only in eager mode, not under torch.compile(fullgraph=True). Under compile use an op-by-op policy "
+        "(e.g. dots_saveable), or torch._functorch.config.activation_memory_budget, torch's own budget for "
+        "compiled graphs; without fullgraph, torch.compile runs a budgeted region eagerly."
+    )
 
 
 _CHECKPOINT_OWN_ARGUMENTS = frozenset(inspect.signature(checkpoint).parameters) - {"function", "args", "kwargs"}

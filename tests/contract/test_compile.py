@@ -276,10 +276,15 @@ def test_overrides_apply_to_compiled_code_and_recompile_when_they_change(overrid
 
 
 def test_memory_budget_under_fullgraph_is_refused_naming_policy_and_fix() -> None:
+    """torch.compile wraps whatever the compiled code raises; the backend's failure says
+    RematError first and carries remat's error itself."""
     model = _model(P.memory_budget(0.5), dropout=0.0)
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    with pytest.raises(Exception, match=r"memory_budget\(0\.5\) chooses what a whole region keeps.*torch\.compile"):
+    with pytest.raises(Exception, match=r"raised:\nRematError: .*memory_budget\(0\.5\) chooses what a whole") as caught:
         compiled(*_inputs())
+    inner = getattr(caught.value, "inner_exception", None)
+    assert isinstance(inner, remat.RematError)
+    assert "activation_memory_budget" in str(inner) and "without fullgraph" in str(inner)
 
 
 def test_memory_budget_without_fullgraph_runs_the_region_eagerly_and_exactly() -> None:
