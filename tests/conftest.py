@@ -168,7 +168,7 @@ def _traces_against_make_fx() -> Iterator[None]:
 SWEEPS: dict[str, str] = {
     "opinfo": "torch's OpInfo database under every transform (tests/oracles/test_opinfo.py)",
     "differential": "random programs against no remat (tests/oracles/test_differential.py)",
-    "models": "real models from transformers, torchvision and torch against no remat",
+    "models": "real models from transformers, torchvision and torch, and Opacus, against no remat",
     "compile": "regions under torch.compile (tests/contract/test_compile.py)",
     "product": "full products of policies, functions and transforms (tests/contract/test_transforms.py, tests/contract/test_memory_contract.py; the default run takes a cover of each)",
     "properties": "the property test at its full example count (tests/oracles/test_properties.py)",
@@ -184,6 +184,8 @@ REPRESENTATIVES = frozenset({
     "tests/oracles/test_models.py::test_layers_remat_cannot_trace_train_as_without_remat[bloom-eager-dots]",
     "tests/oracles/test_models.py::test_default_kv_cache_replays_as_without_remat_naming_the_cache_and_the_fix[llama]",
     "tests/oracles/test_models.py::test_checkpoint_model_trains_a_transformers_model_as_without_remat_tracing_each_layer_once[llama]",
+    "tests/oracles/test_opacus.py::test_opacus_per_sample_gradients_equal_no_remat[hooks-dots]",
+    "tests/oracles/test_opacus.py::test_opacus_per_sample_gradients_equal_no_remat[ew-nothing]",
     "tests/contract/test_compile.py::test_compiled_values_gradients_and_random_stream_equal_no_remat[nothing]",
     "tests/contract/test_compile.py::test_memory_budget_under_fullgraph_is_refused_naming_policy_and_fix",
     "tests/contract/test_examples.py::test_quickstart_memory_goes_down_and_losses_agree",

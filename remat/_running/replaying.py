@@ -266,15 +266,19 @@ class _PythonState:
     and FSDP's do, must), and what the user's hooks reach is held the same way."""
 
     def __init__(self, fn: Callable[..., Any], roots: list[tuple[str, Any]]) -> None:
-        hooks = forward_hooks(modules_reached(roots))
+        modules = modules_reached(roots)
+        hooks = forward_hooks(modules)
         self.roots = roots + roots_of_hooks(hooks)
         self.functions = [fn, *(hook for hook in hooks if isinstance(hook, types.FunctionType))]
         self.before: Snapshot | None = None
+        self.tables = _TensorTables(modules)
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         self.before = Snapshot.take(self.roots, self.functions)
+        self.tables.forward_starts()
         yield
+        self.tables.forward_ends()
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
@@ -282,9 +286,70 @@ class _PythonState:
         if self.before is not None:
             self.before.restore()
         try:
-            yield
+            with self.tables.recompute():
+                yield
         finally:
             now.restore()
+
+
+_Held = list[tuple[dict[str, Any], dict[str, Any]]]  # (a module's parameter or buffer table, what it held)
+
+
+class _TensorTables:
+    """Which tensors the region's modules hold under their parameter and buffer names, for
+    the recompute. `functional_call` (and ExpandedWeights, through it) put other tensors
+    there for the length of one call, and backward comes after that call: the recompute
+    must run with the tensors the forward ran with, or it recomputes other values (a
+    silently wrong gradient, as torch.utils.checkpoint gives). So a name whose tensor
+    changed since the forward ended holds, while the recompute runs, the tensor it held
+    when the forward started. Except the parameters of FSDP's modules: FSDP gathers and
+    frees them around each call, and its hooks, which run again in the recompute, keep
+    their own account of which it holds."""
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        managed = _fsdp_managed(modules)
+        self.tables = [table for m in modules for table in (m._parameters, m._buffers) if table and not (
+            table is m._parameters and m in managed)]
+        self.start: _Held = []
+        self.end: _Held = []
+
+    def _held(self) -> _Held:
+        return [(table, dict(table)) for table in self.tables]
+
+    def forward_starts(self) -> None:
+        self.start = self._held()
+
+    def forward_ends(self) -> None:
+        self.end = self._held()
+
+    @contextlib.contextmanager
+    def recompute(self) -> Iterator[None]:
+        put_back: list[tuple[dict[str, Any], str, Any]] = []  # (table, name, what it holds now)
+        for (table, start), (_, end) in zip(self.start, self.end):
+            for name, then in start.items():
+                now = table.get(name)
+                if now is not then and now is not end.get(name):
+                    put_back.append((table, name, now))
+                    table[name] = then
+        try:
+            yield
+        finally:
+            for table, name, now in put_back:
+                table[name] = now
+
+
+def _fsdp_managed(modules: list[torch.nn.Module]) -> set[torch.nn.Module]:
+    """The modules whose parameters FSDP (fully_shard) manages: each FSDP module and the
+    modules under it that are not FSDP modules of their own."""
+    if not torch.distributed.is_available():
+        return set()
+    from torch.distributed.fsdp import FSDPModule
+
+    managed: set[torch.nn.Module] = set()
+    for module in modules:
+        if isinstance(module, FSDPModule):
+            managed.update(module.modules())
+    return managed
 
 
 def replay_note(policy: Callable[..., Any] | None) -> str:

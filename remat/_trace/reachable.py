@@ -72,9 +72,11 @@ def _items(value: Any) -> Iterator[tuple[str, Any]] | None:
         return ((k if isinstance(k, str) else f"[{k!r}]", v) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return ((f"[{i}]", v) for i, v in enumerate(value))
-    if isinstance(value, torch.nn.Module):
+    if isinstance(value, torch.nn.Module):  # its tensors too: code sets attributes on them (Opacus' counters)
         own = ((k, v) for k, v in vars(value).items() if k not in _MODULE_TABLES)
-        return iter([*own, *value.named_children()])
+        tables = (value._parameters, value._buffers)
+        tensors = (item for table in tables for item in table.items() if item[1] is not None)
+        return iter([*own, *tensors, *value.named_children()])
     if _plain_object(value):
         return iter(vars(value).items())
     return None

@@ -256,6 +256,43 @@ def test_expanded_weights_per_sample_gradients_are_as_without_remat() -> None:
     _assert_bitwise([p.grad_sample for p in model.parameters()], expected)  # type: ignore[attr-defined]
 
 
+class _Untraceable(torch.nn.Module):
+    """Two Linears and a buffer, with a shape that depends on data: a region that replays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.b = torch.nn.Linear(4, 4, dtype=torch.float64)
+        self.register_buffer("scale", torch.ones(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b(torch.tanh(self.a(x))) * self.scale
+        return h[h > 0].sum() + h.pow(2).sum()
+
+
+@pytest.mark.parametrize("kind", ["tensors", "parameters"])
+@pytest.mark.parametrize("policy_name", ["none", "nothing", "dots"])
+def test_a_replayed_region_under_functional_call_recomputes_with_the_call_s_tensors(kind: str, policy_name: str) -> None:
+    """functional_call puts other tensors in the module for one call, and backward comes
+    after it: the recompute runs with the tensors the forward ran with (torch.utils.checkpoint
+    recomputes with the module's own, a silently wrong gradient)."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(_Untraceable())
+    model = torch.nn.Sequential(remat(reference[0], policy=BUILT_IN_POLICIES[policy_name]))
+    seen = []
+    for module in (reference, model):
+        tensors = {k: v.detach() * 2 + 0.1 for k, v in reference.state_dict().items()}
+        tensors = {k: torch.nn.Parameter(v) if kind == "parameters" else v.requires_grad_() for k, v in tensors.items()}
+        x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RematFallbackWarning)
+            torch.func.functional_call(module, tensors, (x,)).backward()
+        seen.append([tensors[k].grad for k in sorted(tensors)])
+    assert all(g is not None for g in seen[0])
+    _assert_bitwise(seen[1], seen[0])
+    assert all(p.grad is None for p in reference.parameters())
+
+
 class _Hooked(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
