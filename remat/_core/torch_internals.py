@@ -78,6 +78,64 @@ def forward_ad_active() -> bool:
     return torch.autograd.forward_ad._current_level >= 0
 
 
+# --- custom autograd.Functions (torch 2.13: autograd/function.py, _functorch/autograd_function.py)
+
+_FUNCTION_HANDLER: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
+    "remat_function_handler", default=None
+)
+_ORIGINAL_APPLY = vars(torch.autograd.function.Function)["apply"]  # a classmethod
+_PATCHES = 0  # contexts that hold the patched apply (one trace at a time, under the trace lock)
+
+
+def _apply_through_handler(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+
+    handler = _FUNCTION_HANDLER.get()
+    if handler is None or is_custom_op_autograd(cls) or cls.__module__.startswith(("torch.", "remat.")):
+        return apply(*args, **kwargs)
+    token = _FUNCTION_HANDLER.set(None)  # a Function its forward applies is part of it
+    try:
+        return handler(cls, apply, args, kwargs)
+    finally:
+        _FUNCTION_HANDLER.reset(token)
+
+
+@contextlib.contextmanager
+def function_applications_to(handler: Callable[..., Any]) -> Iterator[None]:
+    """While inside, in this context: `SomeFunction.apply(*args, **kwargs)` of a user's
+    custom autograd.Function calls `handler(SomeFunction, apply, args, kwargs)`, where
+    `apply` applies it as usual (torch's own Functions and custom ops' apply as usual).
+    `Function.apply` is a classmethod of the base class, patched for the duration; other
+    threads and contexts see the usual apply."""
+    global _PATCHES
+    if _PATCHES == 0:
+        torch.autograd.function.Function.apply = classmethod(_apply_through_handler)  # type: ignore[method-assign,assignment]
+    _PATCHES += 1
+    token = _FUNCTION_HANDLER.set(handler)
+    try:
+        yield
+    finally:
+        _FUNCTION_HANDLER.reset(token)
+        _PATCHES -= 1
+        if _PATCHES == 0:
+            torch.autograd.function.Function.apply = _ORIGINAL_APPLY  # type: ignore[method-assign]
+
+
+def function_has_setup_context(function: type[torch.autograd.Function]) -> bool:
+    """Whether the Function defines `setup_context` (torch.func transforms require it)."""
+    from torch.autograd.function import _is_setup_context_defined
+
+    return bool(_is_setup_context_defined(function.setup_context))
+
+
+def function_has_vmap_rule(function: type[torch.autograd.Function]) -> bool:
+    """Whether vmap can run the Function: a generated rule or its own `vmap`."""
+    from torch._functorch.autograd_function import has_overridden_vmap_rule
+
+    return bool(function.generate_vmap_rule or has_overridden_vmap_rule(function))
+
+
 def is_custom_op_autograd(function: type) -> bool:
     """Whether an autograd.Function is the one torch.library.custom_op generates for an op
     with register_autograd: its forward is the op itself, which traces as one node whose
@@ -111,6 +169,14 @@ def innermost_vmap() -> tuple[int, str] | None:
     if interpreter.key() != TransformType.Vmap:
         return None
     return interpreter.level(), interpreter.randomness()
+
+
+def any_vmap_active() -> bool:
+    """Whether a vmap is among the active torch.func transforms (torch 2.13)."""
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
 
 
 def vmap_randomness_different() -> bool:

@@ -84,7 +84,9 @@ def offer(key: tuple[Any, ...], root: torch.nn.Module, plan: Any) -> None:
     if not isinstance(plan, Plan) or reads is None or reads.unshareable is not None:
         return
     stage_one = plan.stage_one
-    if stage_one.by_reference or stage_one.hook_calls or stage_one.reads_storage_offsets or stage_one.changes_state:
+    if stage_one.by_reference or stage_one.hook_calls or stage_one.reads_storage_offsets or stage_one.changes_state or (
+        stage_one.units  # custom Functions: which one a layer applies is not among the reads
+    ):
         return  # tensors, hooks or state of this module's own, or a graph for its tensors' storage offsets
     _, places = tree_places(root)
     hook_places: list[str | weakref.ref[torch.nn.Module]] = []

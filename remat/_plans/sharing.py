@@ -81,6 +81,8 @@ def _target(target: Any) -> Any:
 def graph_signature(stage_one: StageOne) -> tuple[Any, ...] | None:
     """Everything of a stage-1 capture its plan depends on, or None when it cannot be
     compared for certain (the plan is then not shared)."""
+    if stage_one.units:  # custom Functions: their graphs name no Function (`_trace/functions`)
+        return None
     index: dict[torch.fx.Node, int] = {}
     nodes = []
     try:

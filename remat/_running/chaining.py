@@ -64,6 +64,8 @@ def split_at_outputs(stage_one: StageOne) -> tuple[StageOne, StageOne, list[list
     The last: inputs that rest reads before first does. Autograd runs rest's backward
     first, so rest's gradients for an input reach it first; eager's reach it in the
     reverse order of the reads, so for such an input they come later."""
+    if stage_one.units:  # a custom Function's ops belong together (`_trace/functions`)
+        return None
     graph = stage_one.graph.graph
     output = next(n for n in graph.nodes if n.op == "output")
     outs = list(output.args[0])

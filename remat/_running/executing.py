@@ -231,6 +231,14 @@ class Plan:
         return self._higher_order
 
     def _build_higher_order(self) -> tuple[Partition, list[int], list[int]]:
+        if self.stage_one.units:
+            names = ", ".join(f"`{unit.function.__qualname__}`" for unit in self.stage_one.units.values())
+            raise RematError(
+                f"remat({self.region}): a gradient of a gradient through the custom torch.autograd.Function {names}: "
+                "remat traced its backward as ops whose own derivatives are those of its forward's ops, not of the "
+                "Function, so the second gradient would be wrong. Take the inner gradient outside the remat'd "
+                "function, or apply remat to code without the Function."
+            )
         full, cotangent_outputs, residuals = self._second_order
         full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
         kept_inputs = self.part.saved_inputs + self.extra_inputs

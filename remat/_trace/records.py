@@ -50,6 +50,7 @@ class StageOne:
     hooks: HookSet | None = None  # the hooks of the modules the trace called
     changes_state: bool = False  # the trace changed an object the function reaches (warned)
     fills_like: bool = False  # a random fill of a tensor made like another (see _running/executing.eager_under_vmap)
+    units: dict[int, Any] = field(default_factory=dict)  # custom autograd.Functions traced as units (`_trace/functions`)
 
     def graph_inputs(self, call: Call) -> list[torch.Tensor]:
         """The call's tensors in this graph's input order: its arguments, the captured tensors

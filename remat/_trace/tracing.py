@@ -51,12 +51,14 @@ from .._core.nodes import (
 )
 from .._core.torch_internals import (
     any_autocast_enabled,
+    any_vmap_active,
     autocast_cache_off,
     autocast_nesting,
     autocast_off,
     autograd_engine_running,
     fake_of_layout,
     grad_disabled_by_code,
+    nested_gradients,
     new_fake_mode,
     preserve_node_meta,
     symbolic_stand_in,
@@ -67,6 +69,7 @@ from .._core.torch_internals import (
 )
 from .arguments import Call, needs_grad
 from .failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_line
+from .functions import UNIT_MARKERS, UNIT_OUTPUT, UnitRecorder, check_units, interiors, leaving_unit
 from .hooks import HookCall, HookRecorder
 from .mutations import outputs_for_mutations
 from .passes import (
@@ -174,8 +177,9 @@ class _GuardTracing(TorchFunctionMode):
                 "region and return the gradients",
                 replayable=False,  # a second run (the recompute) would accumulate again
             )
-        for arg in args:
-            refuse_custom_function(arg)
+        if not leaving_unit():  # a unit's outputs leave it through their markers (`functions`)
+            for arg in args:
+                refuse_custom_function(arg)
         if self.transformed and func in self._DROPOUTS:
             return _dropout_as_under_transforms(func, *args, **kwargs)
         previous = self.grad_off, self.autocasting, self.uncached
@@ -337,7 +341,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         for i, t in zip(slotted, tensors[n_explicit:]):
             replacements[i] = t
         guard = _GuardTracing(under_transform, eager_caches)
-        with call.substituted(replacements), _annotating(guard, draws), guard, hooks.recording():
+        units_recording = units.recording() if units is not None else contextlib.nullcontext()
+        with call.substituted(replacements), _annotating(guard, draws), guard, hooks.recording(), units_recording:
             out = fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten(out)
         for leaf in leaves:
@@ -349,6 +354,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         return tensors_out
 
     under_transform = transforms_active()
+    # under a transform, where the region must be traced, a custom Function is a unit of its own
+    units = UnitRecorder(vmapped=any_vmap_active(), nested=nested_gradients()) if under_transform else None
     eager_caches = torch.is_autocast_cache_enabled()
     # eager autocast casts a leaf that requires grad once per (outer) autocast context
     with tracing_isolated(), _tracing_region(Scope(policy, fn_name)) as scopes:
@@ -366,6 +373,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
             del scopes[1:]
             draws.start()
             hooks.start()
+            if units is not None:
+                units.start()
 
         try:
             gm = _recorded_or_traced(flat_fn, fakes, mode, restart=restart)
@@ -387,6 +396,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
             raise
         changes = before.changed()
         _warn_changes(fn_name, fn, changes)
+    if units is not None and units.units:
+        check_units(gm.graph, units.units)
     _reject_data_dependent_ops(gm, fn_name)
     _grad_free_writes_as_values_with_grad(gm, fn_name, [f.requires_grad for f in fakes])
     _number_random_ops(gm)
@@ -418,6 +429,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         fills_like=any(n.meta.get("custom", {}).get(FILL_LIKE_KEY) for n in gm.graph.nodes),
         reads_storage_offsets=_reads_storage_offsets(gm),
         changes_state=bool(changes),
+        units=dict(units.units) if units is not None else {},
     )
 
 
@@ -705,7 +717,7 @@ def differentiate(
     def joint(*flat: torch.Tensor) -> list[torch.Tensor]:
         primals, tangents = flat[:n_inputs], flat[n_inputs:]
         with torch.enable_grad(), preserve_node_meta():
-            outs = _MarkDifferentiable(g1, blame, hooks, uses).run(*primals)
+            outs = _MarkDifferentiable(g1, blame, hooks, uses, stage_one.units).run(*primals)
             wrt = [primals[i] for i in diff_inputs] if uses is None else uses.differentiated(primals)
             pairs = [(outs[i], t) for i, t in zip(float_outputs, tangents) if outs[i].requires_grad]
             grads = torch.autograd.grad(
@@ -940,11 +952,30 @@ class _MarkDifferentiable(_CarryMeta):
     derivative that fails can be traced back to the op and the user's line.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, blame: list[torch.fx.Node], hooks: list[Any], uses: _Uses | None = None) -> None:
+    def __init__(
+        self, gm: torch.fx.GraphModule, blame: list[torch.fx.Node], hooks: list[Any], uses: _Uses | None = None,
+        units: dict[int, Any] | None = None,
+    ) -> None:
         super().__init__(gm)
         self.blame = blame
         self.hooks = hooks  # removed after the trace: a hook on an autograd node would keep its graph alive
         self.uses = uses
+        # custom Functions (`functions`): their forwards' ops are not run, the Function is
+        self.units = units or {}
+        self.inside_units = set().union(*interiors(gm.graph).values()) if self.units else set()
+        self.entered: dict[int, list[torch.Tensor]] = {}
+        self.applied: dict[int, list[Any]] = {}
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target in UNIT_MARKERS:
+            unit = args[1]
+            if target is not UNIT_OUTPUT:
+                self.entered[unit] = list(args[0])
+                return list(args[0])
+            if unit not in self.applied:
+                self.applied[unit] = self.units[unit].apply(self.entered[unit])
+            return self.applied[unit][args[2]]
+        return super().call_function(target, args, kwargs)
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[Any, dict[str, Any]]:
         uses = self.uses
@@ -958,6 +989,8 @@ class _MarkDifferentiable(_CarryMeta):
         return torch.fx.node.map_arg(n.args, load), torch.fx.node.map_arg(n.kwargs, load)  # type: ignore[return-value]
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        if n in self.inside_units:
+            return None
         out = super().run_node(n)
         if isinstance(out, torch.Tensor):
             annotate(traced_node(out), DIFFERENTIABLE_KEY, bool(out.requires_grad), producer_too=False)
