@@ -33,6 +33,7 @@ import torch.fx
 from .._core.errors import RematTraceError
 from .._core.nodes import is_random, is_view
 from .._core.torch_internals import (
+    any_autocast_enabled,
     function_applications_to,
     function_has_setup_context,
     function_has_vmap_rule,
@@ -138,6 +139,12 @@ class UnitRecorder:
                 f"the custom torch.autograd.Function `{name}` has no vmap rule, which torch requires of a Function "
                 "used under vmap, as this region is: set `generate_vmap_rule = True` on it, or give it a `vmap` "
                 "staticmethod",
+                replayable=False,
+            )
+        if any_autocast_enabled():
+            raise RematTraceError(
+                f"the custom torch.autograd.Function `{name}` is applied under autocast, whose casts remat cannot "
+                "replay inside a unit: apply it outside the autocast context (or cast its inputs yourself)",
                 replayable=False,
             )
         if self.nested:

@@ -307,3 +307,12 @@ def test_regions_whose_graphs_differ_only_in_the_function_do_not_share_a_plan() 
             return function.apply(x.sin()).sum()
 
         _assert_equal(grad(remat(f, policy=P.nothing_saveable))(x), grad(f)(x))
+
+
+def test_a_function_under_autocast_is_refused_naming_it_and_the_fix() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return SavesOutput.apply(x.sin()).float().sum()
+
+    with pytest.raises(RematError, match=r"`SavesOutput` is applied under autocast.*outside the autocast context"):
+        grad(remat(f))(torch.randn(3))
