@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch.func import grad, vjp, vmap
 
-from remat import RematError, RematFallbackWarning, remat
+from remat import RematError, RematFallbackWarning, checkpoint_layers, checkpoint_name, remat
 from remat import policies as P
 
 from conftest import BUILT_IN_POLICIES
@@ -316,3 +316,75 @@ def test_a_function_under_autocast_is_refused_naming_it_and_the_fix() -> None:
 
     with pytest.raises(RematError, match=r"`SavesOutput` is applied under autocast.*outside the autocast context"):
         grad(remat(f))(torch.randn(3))
+
+
+class ReturnsAView(torch.autograd.Function):
+    """Its input flattened (a view), the gradient doubled."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view(-1)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.shape = inputs[0].shape
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return (g * 2).view(ctx.shape)
+
+
+class OnceDifferentiable(torch.autograd.Function):
+    """x ** k, k and None; a once-differentiable backward that is |x| * g."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, k: int) -> tuple[torch.Tensor, int, None]:  # type: ignore[override]
+        return x.pow(k), k, None
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, g: torch.Tensor, *_: Any) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return g * ctx.saved_tensors[0].abs(), None
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6, dtype=D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y, k, _ = OnceDifferentiable.apply(self.linear(x), 3)
+        named = checkpoint_name(y.tanh(), "y")
+        return ReturnsAView.apply(named).view(x.shape) * k + inner_region(x)
+
+
+inner_region = remat(lambda x: torch.sin(x) * 2, policy=P.nothing_saveable)
+
+
+@pytest.mark.parametrize("policy_name", ["none", "nothing", "dots", "names"])
+def test_layers_with_functions_train_functionally_as_without_remat(policy_name: str) -> None:
+    """checkpoint_layers, functional_call and grad / vmap(grad): a Function returning a
+    view, one with a once-differentiable backward and non-tensor outputs, a name and a
+    nested region in the layer."""
+    policy = P.save_only_these_names("y") if policy_name == "names" else BUILT_IN_POLICIES[policy_name]
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(_Layer(), _Layer())
+    model = torch.nn.Sequential(_Layer(), _Layer())
+    model.load_state_dict(reference.state_dict())
+    checkpoint_layers(model, policy)
+    x = torch.randn(4, 6, dtype=D, generator=torch.Generator().manual_seed(1))
+
+    def loss(params: dict[str, torch.Tensor], module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(module, params, (x,)).sin().sum()
+
+    for style, batch in ((grad(loss), x), (vmap(grad(loss), in_dims=(None, None, 0)), x[:, None])):
+        expected = style(dict(reference.named_parameters()), reference, batch)
+        _assert_equal(style(dict(model.named_parameters()), model, batch), expected)
