@@ -1,6 +1,7 @@
 """Tensor parallelism (DTensor) against no remat: two gloo processes on CPU, a stack of
-transformer MLP blocks parallelized colwise / rowwise with dropout on; and FSDP2 x TP on a
-2 x 2 mesh of four. remat traces plain tensors only, so each layer runs replayed (as
+transformer MLP blocks parallelized colwise / rowwise with dropout on (and with a LayerNorm
+under SequenceParallel, the activations sharded along the sequence between blocks); and
+FSDP2 x TP on a 2 x 2 mesh of four. remat traces plain tensors only, so each layer runs replayed (as
 torch.utils.checkpoint runs it, the policy asked op by op); loss, every local gradient
 shard and the random stream after equal no remat bitwise on every rank, under every
 built-in policy. The processes are spawned and joined by the test."""
@@ -34,6 +35,33 @@ class _Block(torch.nn.Module):
         return x + self.down(self.drop(torch.nn.functional.gelu(self.up(x))))
 
 
+class _NormBlock(_Block):
+    """Pre-norm: under SequenceParallel the norm runs on each rank's part of the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.drop(torch.nn.functional.gelu(self.up(self.norm(x)))))
+
+
+def _tp_plan(kind: str) -> dict[str, object]:
+    """colwise / rowwise ("tp"), or with the norm sequence-parallel ("sp": a block's input
+    and output are each rank's part of the sequence, gathered before `up`, scattered after
+    `down`)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if kind == "tp":
+        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    return {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1))}
+
+
+KINDS = {"tp": _Block, "sp": _NormBlock}
+
+
 def _steps(layers: torch.nn.ModuleList, x: torch.Tensor) -> list[torch.Tensor]:
     torch.manual_seed(5)  # the same seed on every rank, as tensor parallel code keeps it
     h = x
@@ -44,29 +72,35 @@ def _steps(layers: torch.nn.ModuleList, x: torch.Tensor) -> list[torch.Tensor]:
     return [loss.detach(), *(p.grad.to_local().clone() for p in layers.parameters()), torch.rand(2)]  # type: ignore[union-attr]
 
 
-def _worker(rank: int, port: int, results: dict[tuple[int, str], bool]) -> None:
+def _worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import parallelize_module
 
         import remat
         from conftest import BUILT_IN_POLICIES
 
         warnings.simplefilter("ignore", remat.RematFallbackWarning)
         mesh = init_device_mesh("cpu", (WORLD,))
-        x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        for name in POLICY_NAMES:
-            torch.manual_seed(0)
-            reference = torch.nn.ModuleList([_Block() for _ in range(2)])
-            model = copy.deepcopy(reference)
-            for layer in [*reference, *model]:
-                parallelize_module(layer, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-            remat.checkpoint_layers(model, BUILT_IN_POLICIES[name])
-            expected, actual = _steps(reference, x), _steps(model, x)
-            replayed = all(layer.forward.cache_info()["replays"] == 1 for layer in model)
-            results[(rank, name)] = replayed and all(torch.equal(a, e) for a, e in zip(actual, expected))
+        sequence = torch.randn(2, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        inputs = {
+            "tp": torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1)),
+            "sp": sequence.chunk(WORLD, 1)[rank],  # (batch, sequence, hidden): each rank holds its part of the sequence
+        }
+        for kind, block in KINDS.items():
+            for name in POLICY_NAMES:
+                torch.manual_seed(0)
+                reference = torch.nn.ModuleList([block() for _ in range(2)])
+                model = copy.deepcopy(reference)
+                for layer in [*reference, *model]:
+                    parallelize_module(layer, mesh, _tp_plan(kind))  # type: ignore[arg-type]
+                remat.checkpoint_layers(model, BUILT_IN_POLICIES[name])
+                expected, actual = _steps(reference, inputs[kind]), _steps(model, inputs[kind])
+                replayed = all(layer.forward.cache_info()["replays"] == 1 for layer in model)
+                equal = all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+                results[(rank, kind, name)] = replayed and equal
     finally:
         dist.destroy_process_group()
 
@@ -83,7 +117,7 @@ def test_tensor_parallel_layers_equal_no_remat_on_every_rank_under_every_policy(
         results = manager.dict()
         mp.spawn(_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
         outcome = dict(results)
-    expected = {(rank, name): True for rank in range(WORLD) for name in POLICY_NAMES}
+    expected = {(rank, kind, name): True for rank in range(WORLD) for kind in KINDS for name in POLICY_NAMES}
     assert outcome == expected
 
 
