@@ -234,7 +234,7 @@ class Rematerialized(Generic[_P, _R]):
             # autograd.Function's jvp rule cannot make exact under every nesting of
             # transforms: run the function as it is, exactly as without remat.
             return self.fn(*args, **kwargs)
-        if self.dynamic and not transforms_active():
+        if self.dynamic and not isinstance(policy, MemoryBudget) and not transforms_active():  # a budget: traced here
             return self._call_dynamic(args, kwargs)
         plans = self._plans if override is None else self._plans_for(policy)
         try:
@@ -324,7 +324,7 @@ class Rematerialized(Generic[_P, _R]):
         if is_no_remat(override):  # without_remat()
             return self.fn(*args, **kwargs)
         policy, context = (self.policy, self._compile_context) if override is None else override
-        return call_under_compile(self.fn, policy, self.region, context, args, kwargs)
+        return call_under_compile(self.fn, policy, self.region, context, args, kwargs, self)
 
     def _call_dynamic(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """dynamic=True: the region through torch.compile (aot_eager: torch's own tracing

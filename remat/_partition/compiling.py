@@ -127,9 +127,10 @@ def selective_context(policy: Callable[..., Any] | None, region: str) -> Callabl
 
 def call_under_compile(
     fn: Callable[..., Any], policy: Callable[..., Any] | None, region: str, context: Callable[[], Any],
-    args: tuple[Any, ...], kwargs: dict[str, Any],
+    args: tuple[Any, ...], kwargs: dict[str, Any], eagerly: Callable[..., Any],
 ) -> Any:
-    """Run `fn` as a torch.utils.checkpoint region whose ops `context` tags."""
+    """Run `fn` as a torch.utils.checkpoint region whose ops `context` tags; a region with a
+    memory budget runs `eagerly` instead, outside the compiled graph (not under fullgraph)."""
     if transforms_active_while_compiling():
         raise RematError(
             f"remat({region}): torch.compile of a torch.func transform (grad, vjp, vmap...) over remat regions is "
@@ -138,7 +139,7 @@ def call_under_compile(
             "run the transform eagerly, where remat composes with every torch.func transform."
         )
     if isinstance(policy, MemoryBudget) and not graph_breaks_are_errors():
-        raise budget_under_compile(policy, region)  # dynamo breaks the graph here and runs the region eagerly
+        return _outside_compile(eagerly, args, kwargs)
     # under fullgraph the policy function raises it instead, while AOTAutograd traces: dynamo
     # would hide an error raised here behind its own "observed exception"; the backend's
     # failure names the RematError first and carries it as `inner_exception`
@@ -146,6 +147,13 @@ def call_under_compile(
     if any(name in _CHECKPOINT_OWN_ARGUMENTS for name in kwargs):
         fn, kwargs = functools.partial(fn, **kwargs), {}
     return checkpoint(fn, *args, use_reentrant=False, context_fn=context, **kwargs)
+
+
+@torch.compiler.disable
+def _outside_compile(eagerly: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`eagerly(*args, **kwargs)` as eager code: dynamo breaks its graph at this call and
+    compiles none of the frames under it (remat's own tracing, the region's graphs)."""
+    return eagerly(*args, **kwargs)
 
 
 def budget_under_compile(policy: MemoryBudget, region: str) -> RematError:

@@ -310,8 +310,8 @@ def _second_run(checked: dict[int, Callable[..., Any]], gm: torch.fx.GraphModule
     """A graph's second run: from now on it runs through its direct code (built now, not on
     the first run, so a size seen once, as in a variable-length loop, never pays for it:
     about 4 ms for a Llama layer's forward and backward graphs)."""
-    checked[id(gm)] = direct_code(gm)
-    return gm.forward(*inputs)
+    direct = checked[id(gm)] = direct_code(gm)
+    return direct(*inputs)
 
 
 class RematFunction(torch.autograd.Function):

@@ -28,8 +28,7 @@ def direct_code(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     """`gm.forward`, with each aten op called without its Python frame; called as
     `fn(*inputs)`. Built from the code fx generated for `gm` (`gm.code`) and the globals
     fx runs that code with (those of the generated `forward`)."""
-    code = gm.code  # first: a lazy graph module generates its code (and forward) here
-    bindings = dict(type(gm).forward.__globals__)
+    code, bindings = _generated(gm)
     names: dict[str, str] = {}
 
     def replace(match: re.Match[str]) -> str:
@@ -45,3 +44,15 @@ def direct_code(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     source = _QUALIFIED_CALL.sub(replace, code)
     exec(compile(source, f"<remat graph {next(_COUNTER)}>", "exec"), bindings)
     return functools.partial(bindings["forward"], gm)  # a C-level bind: no frame of its own
+
+
+def _generated(gm: torch.fx.GraphModule) -> tuple[str, dict[str, Any]]:
+    """fx's code for `gm` and the globals it runs with. A graph with plain code generation
+    gets them from the graph, without compiling fx's own forward too (a lazy graph module
+    that never ran would compile it here only to be replaced: milliseconds per graph);
+    any other from the module, as fx compiled it."""
+    if type(gm.graph._codegen) is torch.fx.graph.CodeGen:
+        generated = gm.graph.python_code(root_module="self")
+        return generated.src, dict(generated.globals)
+    code = gm.code  # a lazy graph module generates its code (and forward) here
+    return code, dict(type(gm).forward.__globals__)
