@@ -608,6 +608,19 @@ def op_entry_point(namespace: str, name: str, overload: str) -> Callable[..., An
     return op._op if type(op) is torch._ops.OpOverload else None  # type: ignore[no-any-return]
 
 
+def generated_code(gm: torch.fx.GraphModule) -> tuple[str, dict[str, Any]]:
+    """fx's Python code for `gm` and the globals it runs with. A graph with plain code
+    generation gets them from the graph, without compiling fx's own forward too (a lazy
+    graph module that never ran would compile it only for it to be replaced: milliseconds
+    per graph); any other from the module, as fx compiled it (torch 2.13: fx/graph.py
+    `Graph._codegen`, `python_code`)."""
+    if type(gm.graph._codegen) is torch.fx.graph.CodeGen:
+        generated = gm.graph.python_code(root_module="self")
+        return generated.src, dict(generated.globals)
+    code = gm.code  # a lazy graph module generates its code (and forward) here
+    return code, dict(type(gm).forward.__globals__)
+
+
 _functorch_stack_nonempty = torch._C._are_functorch_transforms_active  # transforms_active's answer, from C++
 _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 _cpp_apply = vars(torch._C._FunctionBase)["apply"]  # called with the Function class first

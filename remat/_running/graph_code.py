@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from .._core.torch_internals import op_entry_point
+from .._core.torch_internals import generated_code, op_entry_point
 
 # An op fx names by its qualified name: torch.ops.<namespace>.<op>.<overload>(
 _QUALIFIED_CALL = re.compile(r"\btorch\.ops\.(\w+)\.(\w+)\.(\w+)\(")
@@ -26,9 +26,9 @@ _COUNTER = itertools.count()
 
 def direct_code(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     """`gm.forward`, with each aten op called without its Python frame; called as
-    `fn(*inputs)`. Built from the code fx generated for `gm` (`gm.code`) and the globals
-    fx runs that code with (those of the generated `forward`)."""
-    code, bindings = _generated(gm)
+    `fn(*inputs)`. Built from the code fx generates for `gm` and the globals fx runs that
+    code with."""
+    code, bindings = generated_code(gm)
     names: dict[str, str] = {}
 
     def replace(match: re.Match[str]) -> str:
@@ -45,14 +45,3 @@ def direct_code(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     exec(compile(source, f"<remat graph {next(_COUNTER)}>", "exec"), bindings)
     return functools.partial(bindings["forward"], gm)  # a C-level bind: no frame of its own
 
-
-def _generated(gm: torch.fx.GraphModule) -> tuple[str, dict[str, Any]]:
-    """fx's code for `gm` and the globals it runs with. A graph with plain code generation
-    gets them from the graph, without compiling fx's own forward too (a lazy graph module
-    that never ran would compile it here only to be replaced: milliseconds per graph);
-    any other from the module, as fx compiled it."""
-    if type(gm.graph._codegen) is torch.fx.graph.CodeGen:
-        generated = gm.graph.python_code(root_module="self")
-        return generated.src, dict(generated.globals)
-    code = gm.code  # a lazy graph module generates its code (and forward) here
-    return code, dict(type(gm).forward.__globals__)
