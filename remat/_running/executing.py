@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -219,6 +220,11 @@ class Plan:
         return self.diff_inputs == list(range(len(self.stage_one.input_values))) and not self.more_uses
 
     @functools.cached_property
+    def kept_pickers(self) -> tuple[Callable[[Sequence[Any]], tuple[Any, ...]], Callable[[Sequence[Any]], tuple[Any, ...]]]:
+        """What the Function saves for backward, picked from its inputs and from its outputs."""
+        return _picker(self.part.saved_inputs), _picker(self.part.residual_outputs)
+
+    @functools.cached_property
     def n_first_order_kept(self) -> int:
         return len(self.part.saved_inputs) + len(self.part.residual_outputs)
 
@@ -306,6 +312,15 @@ def _output_of_unbatched_inputs(
     return any(d and isinstance(out, torch.fx.Node) and out not in reached for out, d in zip(outs, differentiable))
 
 
+def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """A function giving the items at `positions` of a sequence, as a tuple, in C."""
+    if not positions:
+        return lambda items: ()
+    if len(positions) == 1:
+        return lambda items, _at=positions[0]: (items[_at],)
+    return operator.itemgetter(*positions)
+
+
 def _second_run(checked: dict[int, Callable[..., Any]], gm: torch.fx.GraphModule, *inputs: Any) -> Any:
     """A graph's second run: from now on it runs through its direct code (built now, not on
     the first run, so a size seen once, as in a variable-length loop, never pays for it:
@@ -328,10 +343,11 @@ class RematFunction(torch.autograd.Function):
         plan: Plan = inputs[0]
         args = inputs[1:]
         ctx.plan = plan
-        kept = [args[i] for i in plan.part.saved_inputs] + [output[j] for j in plan.part.residual_outputs]
+        kept_inputs, kept_outputs = plan.kept_pickers
         if plan.extra_inputs:
-            kept += [args[i] for i in plan.extra_inputs]
-        ctx.save_for_backward(*kept)
+            ctx.save_for_backward(*kept_inputs(args), *kept_outputs(output), *[args[i] for i in plan.extra_inputs])
+        else:
+            ctx.save_for_backward(*kept_inputs(args), *kept_outputs(output))
         if plan.nondifferentiable_outputs:
             ctx.mark_non_differentiable(*[output[j] for j in plan.nondifferentiable_outputs])
         ctx.set_materialize_grads(False)
