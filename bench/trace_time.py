@@ -156,11 +156,16 @@ def new_lengths(repeat: int) -> dict[str, list[float]]:
     return times
 
 
+PLANNED_STEPS = 5  # steps at a length once planned, whose minimum a first step is compared with
+
+
 def deep_model(layers: int = 32, repeat: int = 3, like_layers: bool = True) -> dict[str, dict[str, float]]:
     """Per sequence length (128, then three new ones): seconds of a model's first training
-    step there beyond a step once planned (min of 3), and of its first layer's first call
-    there beyond a planned call; their ratio is what a step's planning costs in first-layer
-    traces. `like_layers=False`: each layer traces (bench-only switch). The template is made
+    step there beyond a step once planned (min of PLANNED_STEPS), and of its first layer's
+    first call there beyond a planned call; their ratio is what a step's planning costs in
+    first-layer traces. Timed on this process's CPU clock (one torch thread), which other
+    processes' load does not count; a step's planning is a few percent of a step, so wall
+    clock noise would decide the ratio. `like_layers=False`: each layer traces (bench-only switch). The template is made
     at the second length, as in `new_lengths` (which leaves the process so)."""
     import torch
     from transformers import LlamaConfig
@@ -191,25 +196,25 @@ def deep_model(layers: int = 32, repeat: int = 3, like_layers: bool = True) -> d
             calls: list[float] = []
 
             def timed(*args: Any, **kwargs: Any) -> Any:
-                start = time.perf_counter()
+                start = time.process_time()
                 try:
                     return first(*args, **kwargs)
                 finally:
-                    calls.append(time.perf_counter() - start)
+                    calls.append(time.process_time() - start)
 
             model.layers[0].forward = timed
 
             def step(model: Any, seq: int) -> float:
                 ids = torch.randint(0, 100, (2, seq))
-                start = time.perf_counter()
+                start = time.process_time()
                 model(ids).last_hidden_state.sum().backward()
-                return time.perf_counter() - start
+                return time.process_time() - start
 
             for seq in (128, 120, 100 + r, 110 + r):
                 planning = step(model, seq)
-                planned = min(step(model, seq) for _ in range(3))
+                planned = min(step(model, seq) for _ in range(PLANNED_STEPS))
                 extra.setdefault(seq if seq in (128, 120) else seq - r, []).append(
-                    (planning - planned, calls[-4] - min(calls[-3:]))
+                    (planning - planned, calls[-PLANNED_STEPS - 1] - min(calls[-PLANNED_STEPS:]))
                 )
             del model
             gc.collect()

@@ -27,6 +27,8 @@ import torch
 ABSENT = ("absent",)  # the instance has no such attribute: the class's is read
 _MAX_DEPTH = 4
 _ATOMS = (bool, int, str, bytes, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+_EXACT_ATOMS = frozenset(_ATOMS)
+_EMPTY_FORMS = {kind: (kind, ()) for kind in (dict, collections.OrderedDict, list, tuple)}
 _TORCH_MODULE_FILE = os.path.normcase(torch.nn.modules.module.__file__)
 _REMAT_DIR = os.path.normcase(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,17 +59,25 @@ def value_form(value: Any, places: dict[int, tuple[str, str]], kept: list[Any], 
     """A comparable form of a read value: numbers and strings by value, the region's own
     modules and tensors by their place in it, containers item by item, anything else by
     identity (kept alive in `kept`, so an id is not reused)."""
+    kind = type(value)
+    if kind in _EXACT_ATOMS:  # the common reads first, by exact type (a module or tensor is never one)
+        return (kind, value)
+    if kind is float:
+        return (float, repr(value))  # repr: -0.0 and 0.0 differ, nan equals nan
     place = places.get(id(value))
     if place is not None:
         return place
+    if kind in _EMPTY_FORMS and not value:  # an empty hook table, the most common table read
+        return _EMPTY_FORMS[kind]
     if isinstance(value, float):
-        return (float, repr(value))  # repr: -0.0 and 0.0 differ, nan equals nan
+        return (float, repr(value))
     if isinstance(value, _ATOMS):
-        return (type(value), value)
-    if depth < _MAX_DEPTH and type(value) in (list, tuple):
-        return (type(value), tuple(value_form(v, places, kept, depth + 1) for v in value))
-    if depth < _MAX_DEPTH and type(value) in (dict, collections.OrderedDict):
-        return (type(value), tuple((value_form(k, places, kept, depth + 1), value_form(v, places, kept, depth + 1)) for k, v in value.items()))
+        return (kind, value)
+    if depth < _MAX_DEPTH and (kind is list or kind is tuple):
+        return (kind, tuple([value_form(v, places, kept, depth + 1) for v in value]))
+    if depth < _MAX_DEPTH and (kind is dict or kind is collections.OrderedDict):
+        deeper = depth + 1
+        return (kind, tuple([(value_form(k, places, kept, deeper), value_form(v, places, kept, deeper)) for k, v in value.items()]))
     kept.append(value)
     return ("object", id(value))
 
@@ -76,6 +86,39 @@ def form_now(module: torch.nn.Module, name: str, places: dict[int, tuple[str, st
     """The form of what reading `module.name` finds in the instance now."""
     instance = object.__getattribute__(module, "__dict__")
     return value_form(instance[name], places, kept) if name in instance else ABSENT
+
+
+FormsByModule = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+
+
+def by_module(forms: dict[tuple[str, str], Any]) -> FormsByModule:
+    """`forms` grouped by module path: (path, ((attribute, form), ...)), for `hold_forms`."""
+    grouped: dict[str, list[tuple[str, Any]]] = {}
+    for (path, name), form in forms.items():
+        grouped.setdefault(path, []).append((name, form))
+    return tuple((path, tuple(reads)) for path, reads in grouped.items())
+
+
+def hold_forms(forms: FormsByModule, modules: dict[str, torch.nn.Module], places: dict[int, tuple[str, str]]) -> bool:
+    """Whether the modules hold, at every place, what has that form now: `form_now` of each
+    read equal to its form, each module's instance dictionary read once."""
+    kept: list[Any] = []
+    for path, reads in forms:
+        module = modules.get(path)
+        if module is None:
+            return False
+        instance = object.__getattribute__(module, "__dict__")
+        for name, form in reads:
+            value = instance.get(name, _NOTHING)
+            if value is _NOTHING:
+                if form is not ABSENT and form != ABSENT:
+                    return False
+            elif form is ABSENT or value_form(value, places, kept) != form:
+                return False
+    return True
+
+
+_NOTHING = object()
 
 
 class _Recorder:
