@@ -239,7 +239,8 @@ def render(result: dict[str, Any]) -> str:
             "such layers under `checkpoint_layers(model.layers, dots_saveable)`, one step (forward and backward) at each "
             "sequence length, batch 2, 3 fresh models. Per length: what the first step there costs beyond a planned step "
             "(min of 5), what the first layer's first call there costs beyond a planned call, and their ratio (the goal: "
-            "at most 2); this process's CPU time, so other processes' load is not counted. The last column is the ratio with like layers turned off, every layer tracing its stage-1 graph "
+            "at most 2); this process's CPU time, so other processes' load is not counted; each length first runs one step "
+            "without remat, so what any first step at new sizes pays (the allocator, kernels) is not counted as planning. The last column is the ratio with like layers turned off, every layer tracing its stage-1 graph "
             "(one model).",
             "",
         ]
