@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 import optree
 import torch
 
+from .._core.errors import RematTraceError
 from .._partition.costs import nbytes_of
 
 if TYPE_CHECKING:
@@ -269,7 +270,17 @@ def report(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
         return [x for x in optree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
 
     with recording() as sink:
-        torch.func.vjp(g, *[leaves[i] for i in moving])
+        try:
+            torch.func.vjp(g, *[leaves[i] for i in moving])
+        except RematTraceError as error:
+            if error.replayable:  # the region trains replayed, which a report cannot describe
+                error.add_note(
+                    "(remat.report describes each region by its trace, taken under torch.func.vjp; this region "
+                    "cannot be traced, so in training it runs as torch.utils.checkpoint does, its policy asked op by "
+                    "op as it runs, and no report can describe it. Report the layers that trace: pass report a "
+                    "function that calls only those.)"
+                )
+            raise
     return sink
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.utils.prune
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat import RematFallbackWarning, RematTraceError, checkpoint_name, remat
+from remat import RematFallbackWarning, RematTraceError, checkpoint_name, remat, report
 from remat import policies as P
 
 from conftest import BUILT_IN_POLICIES
@@ -138,6 +138,18 @@ def test_under_a_transform_or_with_fallback_off_an_untraceable_region_raises(nam
         torch.func.grad(remat(f), argnums=1)(x, w)
     with pytest.raises(RematTraceError):
         remat(f, fallback=False)(x, w.requires_grad_())
+
+
+def test_a_report_over_a_region_that_trains_replayed_says_it_cannot_describe_it() -> None:
+    """A report traces under torch.func.vjp, where such a region cannot run; the error says
+    what the region does in training instead (it trains exactly: the tests above)."""
+    f = remat(FUNCTIONS[next(iter(FUNCTIONS))])
+    x, w = torch.randn(6, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RematTraceError) as raised:
+        report(f, x, w)
+    assert "remat.report describes each region by its trace" in "\n".join(raised.value.__notes__)
+    with pytest.warns(RematFallbackWarning):
+        f(x, w).sum().backward()  # and it trains
 
 
 class _Block(torch.nn.Module):
