@@ -313,12 +313,21 @@ def _output_of_unbatched_inputs(
 
 
 def _picker(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
-    """A function giving the items at `positions` of a sequence, as a tuple, in C."""
+    """A function giving the items at `positions` of a sequence, as a tuple (in C for two or more)."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
     if not positions:
-        return lambda items: ()
-    if len(positions) == 1:
-        return lambda items, _at=positions[0]: (items[_at],)
-    return operator.itemgetter(*positions)
+        return _pick_none
+    at = positions[0]
+
+    def pick_one(items: Sequence[Any]) -> tuple[Any, ...]:
+        return (items[at],)
+
+    return pick_one
+
+
+def _pick_none(items: Sequence[Any]) -> tuple[Any, ...]:
+    return ()
 
 
 def _second_run(checked: dict[int, Callable[..., Any]], gm: torch.fx.GraphModule, *inputs: Any) -> Any:
