@@ -44,4 +44,3 @@ def direct_code(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     source = _QUALIFIED_CALL.sub(replace, code)
     exec(compile(source, f"<remat graph {next(_COUNTER)}>", "exec"), bindings)
     return functools.partial(bindings["forward"], gm)  # a C-level bind: no frame of its own
-

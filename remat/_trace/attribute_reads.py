@@ -62,21 +62,19 @@ def value_form(value: Any, places: dict[int, tuple[str, str]], kept: list[Any], 
     kind = type(value)
     if kind in _EXACT_ATOMS:  # the common reads first, by exact type (a module or tensor is never one)
         return (kind, value)
-    if kind is float:
-        return (float, repr(value))  # repr: -0.0 and 0.0 differ, nan equals nan
     place = places.get(id(value))
     if place is not None:
         return place
     if kind in _EMPTY_FORMS and not value:  # an empty hook table, the most common table read
         return _EMPTY_FORMS[kind]
     if isinstance(value, float):
-        return (float, repr(value))
+        return (float, repr(value))  # repr: -0.0 and 0.0 differ, nan equals nan
     if isinstance(value, _ATOMS):
         return (kind, value)
-    if depth < _MAX_DEPTH and (kind is list or kind is tuple):
-        return (kind, tuple([value_form(v, places, kept, depth + 1) for v in value]))
-    if depth < _MAX_DEPTH and (kind is dict or kind is collections.OrderedDict):
-        deeper = depth + 1
+    deeper = depth + 1
+    if deeper <= _MAX_DEPTH and (kind is list or kind is tuple):
+        return (kind, tuple([value_form(v, places, kept, deeper) for v in value]))
+    if deeper <= _MAX_DEPTH and (kind is dict or kind is collections.OrderedDict):
         return (kind, tuple([(value_form(k, places, kept, deeper), value_form(v, places, kept, deeper)) for k, v in value.items()]))
     kept.append(value)
     return ("object", id(value))
@@ -84,7 +82,10 @@ def value_form(value: Any, places: dict[int, tuple[str, str]], kept: list[Any], 
 
 def form_now(module: torch.nn.Module, name: str, places: dict[int, tuple[str, str]], kept: list[Any]) -> Any:
     """The form of what reading `module.name` finds in the instance now."""
-    instance = object.__getattribute__(module, "__dict__")
+    return _form_in(object.__getattribute__(module, "__dict__"), name, places, kept)
+
+
+def _form_in(instance: dict[str, Any], name: str, places: dict[int, tuple[str, str]], kept: list[Any]) -> Any:
     return value_form(instance[name], places, kept) if name in instance else ABSENT
 
 
@@ -108,17 +109,9 @@ def hold_forms(forms: FormsByModule, modules: dict[str, torch.nn.Module], places
         if module is None:
             return False
         instance = object.__getattribute__(module, "__dict__")
-        for name, form in reads:
-            value = instance.get(name, _NOTHING)
-            if value is _NOTHING:
-                if form is not ABSENT and form != ABSENT:
-                    return False
-            elif form is ABSENT or value_form(value, places, kept) != form:
-                return False
+        if any(_form_in(instance, name, places, kept) != form for name, form in reads):
+            return False
     return True
-
-
-_NOTHING = object()
 
 
 class _Recorder:
