@@ -49,7 +49,7 @@ from .._trace.attribute_reads import recording_reads
 from .._trace.hooks import call_hooks
 from .._trace.records import StageOne
 from .._trace.tracing import differentiate, gradient_count, inside_trace, nested_region
-from .reports import record
+from .reports import observing_replay, record
 
 
 def _normalise_argnums(static_argnums: int | Iterable[int]) -> frozenset[int]:
@@ -317,7 +317,8 @@ class Rematerialized(Generic[_P, _R]):
 
     def _replay(self, policy: Callable[..., bool] | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self._replays += 1
-        return replay(self.fn, args, kwargs, policy, self.region)
+        with observing_replay(self.region) as observe:
+            return replay(self.fn, args, kwargs, policy, self.region, observe)
 
     def _call_under_compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         override = compiled_override()

@@ -11,36 +11,12 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 import optree
 import torch
 
-from .._core.errors import RematTraceError
+from .._core.residuals import Recompute, Residual
 from .._partition.costs import nbytes_of
 
 if TYPE_CHECKING:
     from .._running.chaining import Runnable
     from .._running.executing import Plan
-
-
-@dataclass(frozen=True)
-class Residual:
-    """One tensor a remat region keeps alive for its backward pass."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    nbytes: int
-    kind: str  # "input" (kept by reference), "intermediate" (computed and kept), "offloaded" (kept in host memory), "rng" (a generator state to replay a random op), "debug"
-    op: Any  # the aten op that produced it; None for inputs
-    name: str | None  # its checkpoint_name, if any
-    source: str | None  # argument path for inputs, the user's file:line for intermediates
-    region: str  # qualified name of the remat'd function
-
-
-@dataclass(frozen=True)
-class Recompute:
-    """One op a region's backward re-runs because its policy did not keep the value."""
-
-    op: Any
-    source: str | None
-    flops: int
-    region: str
 
 
 class RegionTotals(NamedTuple):
@@ -57,6 +33,13 @@ class Report:
     residuals: list[Residual] = field(default_factory=list)
     recomputes: list[Recompute] = field(default_factory=list)
     calls: int = 0  # remat region calls seen
+    replayed: set[str] = field(default_factory=set)  # regions that ran as torch.utils.checkpoint runs them
+
+    def add(self, residuals: Sequence[Residual], recomputes: Sequence[Recompute]) -> None:
+        """One region call's records."""
+        self.calls += 1
+        self.residuals.extend(residuals)
+        self.recomputes.extend(recomputes)
 
     @property
     def kept_bytes(self) -> int:
@@ -95,7 +78,7 @@ class Report:
         lines = ["per region:"]
         lines += _table(
             ("region", "kept", "recomputed FLOPs", "kept tensors"),
-            [(reg, human_bytes(kept), human_flops(flop), kinds.get(reg, "-")) for reg, (kept, flop) in self.by_region().items()],
+            [(self._label(reg), human_bytes(kept), human_flops(flop), kinds.get(reg, "-")) for reg, (kept, flop) in self.by_region().items()],
         )
         offloaded = f"; {human_bytes(self.offloaded_bytes)} offloaded to host memory" if self.offloaded_bytes else ""
         lines.append(
@@ -113,7 +96,13 @@ class Report:
                 ("region", "op", "source", "times", "FLOPs"),
                 [(reg, op, src, str(len(f)), human_flops(sum(f))) for (reg, op, src), f in grouped.items()],
             )
+        if self.replayed:
+            lines += ["", "(replayed): the region could not be traced and runs as torch.utils.checkpoint runs it; it keeps "
+                      "what it reads from outside, what its policy keeps and the generator states, and backward re-runs the rest"]
         return "\n".join(lines)
+
+    def _label(self, region: str) -> str:
+        return f"{region} (replayed)" if region in self.replayed else region
 
 
 _MODULE_STATE = "self."  # the source of a tensor a module region reads from its module
@@ -236,9 +225,28 @@ def record(runnable: Runnable) -> None:
         return
     for plan in runnable.plans():
         found = plan_report(plan)
-        sink.calls += 1
-        sink.residuals.extend(found.residuals)
-        sink.recomputes.extend(found.recomputes)
+        sink.add(found.residuals, found.recomputes)
+
+
+@contextlib.contextmanager
+def observing_replay(region: str) -> Iterator[Callable[[list[Residual], list[Recompute]], None] | None]:
+    """For a region about to run replayed: what to tell what it keeps and recomputes, or
+    None unless a report is being made. The regions it calls record nothing while it runs:
+    they run again in its recompute, and its own record counts their ops."""
+    sink = _recorder.get()
+    if sink is None:
+        yield None
+        return
+
+    def observe(residuals: list[Residual], recomputes: list[Recompute]) -> None:
+        sink.replayed.add(region)
+        sink.add(residuals, recomputes)
+
+    token = _recorder.set(None)
+    try:
+        yield observe
+    finally:
+        _recorder.reset(token)
 
 
 @contextlib.contextmanager
@@ -254,33 +262,19 @@ def recording() -> Iterator[Report]:
 def report(f: Callable[..., Any], *args: Any, **kwargs: Any) -> Report:
     """What the remat regions reached by `f(*args, **kwargs)` keep and recompute.
 
-    Differentiates with respect to every floating-point tensor in `args` (as
-    `torch.func.vjp(f, *args)` would) without running backward. `print(report(...))`
-    shows a table of every kept tensor, what backward recomputes and its FLOPs, and
-    totals per region and overall.
+    Runs `f` forward with every floating-point tensor in `args` requiring a gradient (as
+    `torch.func.vjp(f, *args)` would differentiate), without running backward, and with
+    the effects of a forward (BatchNorm's statistics are updated once). `print(report(...))`
+    shows a table of every kept tensor, what backward recomputes and its FLOPs, and totals
+    per region and overall. A region that cannot be traced is described as it runs (as
+    torch.utils.checkpoint runs it); its sizes are this process's (a DTensor's are its
+    local shard's), so each rank of a parallel model reports its own.
     """
     leaves, spec = optree.tree_flatten(args)  # type: ignore[var-annotated,arg-type]
-    moving = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())]
-
-    def g(*values: torch.Tensor) -> Any:
-        full = list(leaves)
-        for i, v in zip(moving, values):
-            full[i] = v
-        out = f(*optree.tree_unflatten(spec, full), **kwargs)
-        return [x for x in optree.tree_leaves(out) if isinstance(x, torch.Tensor) and x.is_floating_point()]
-
-    with recording() as sink:
-        try:
-            torch.func.vjp(g, *[leaves[i] for i in moving])
-        except RematTraceError as error:
-            if error.replayable:  # the region trains replayed, which a report cannot describe
-                error.add_note(
-                    "(remat.report describes each region by its trace, taken under torch.func.vjp; this region "
-                    "cannot be traced, so in training it runs as torch.utils.checkpoint does, its policy asked op by "
-                    "op as it runs, and no report can describe it. Report the layers that trace: pass report a "
-                    "function that calls only those.)"
-                )
-            raise
+    moving = {i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())}
+    inputs = [x.detach().requires_grad_() if i in moving else x for i, x in enumerate(leaves)]
+    with recording() as sink, torch.enable_grad():
+        f(*optree.tree_unflatten(spec, inputs), **kwargs)
     return sink
 
 

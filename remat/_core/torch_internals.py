@@ -770,6 +770,20 @@ class SacEntry:
         self.index = caching.func_counter[self.key] - 1
         self.storage = caching.storage
 
+    @classmethod
+    def of_call(cls, caching: Any, op: Any, args: tuple[Any, ...]) -> SacEntry | None:
+        """The entry of the op call the caching mode has just seen, or None for an op it
+        neither counts nor caches (`SAC_IGNORED_OPS`: detach and the like)."""
+        from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+        return None if op in SAC_IGNORED_OPS else cls(caching, op, args)
+
+    def kept(self) -> bool:
+        """Whether the recompute takes this call's output from the cache."""
+        from torch.utils.checkpoint import _RECOMPUTE
+
+        return self.storage.get(self.key, {}).get(self.index, _RECOMPUTE) is not _RECOMPUTE
+
     def forget(self) -> None:
         from torch.utils.checkpoint import _RECOMPUTE
 
@@ -779,6 +793,23 @@ class SacEntry:
         from torch.utils.checkpoint import _detach_helper, _VersionWrapper
 
         self.storage[self.key][self.index] = _VersionWrapper(_detach_helper(value))
+
+
+def inner_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `t`'s memory: itself, or a wrapper subclass's inner
+    tensors (a DTensor's local shard), read through the subclass protocol
+    (`__tensor_flatten__`, torch 2.13), which runs no op: a dispatch mode must not."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for name in names if isinstance(part := getattr(t, name), torch.Tensor) for inner in inner_tensors(part)]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The one plain tensor behind a wrapper of one (this rank's shard of a DTensor); any
+    other tensor itself."""
+    inner = inner_tensors(t)
+    return inner[0] if len(inner) == 1 else t
 
 
 def is_expanded_weight(t: Any) -> bool:

@@ -7,7 +7,7 @@ and views as free.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import optree
 import torch
@@ -30,11 +30,17 @@ def flops(node: torch.fx.Node) -> int:
     """FLOPs to run `node` once (0 for views and non-ops)."""
     if node.op != "call_function" or not isinstance(node.target, OpOverload) or is_view(node):
         return 0
-    packet = node.target.overloadpacket
-    formula = flop_registry.get(_SAME_FORMULA.get(packet, packet))
-    out = node.meta.get("val")
+    return op_flops(node.target, lambda: meta_arguments(node), node.meta.get("val"))
+
+
+def op_flops(op: OpOverload, arguments: Callable[[], tuple[Any, dict[str, Any]]], out: Any) -> int:
+    """FLOPs of one call of `op` giving `out`; `arguments()` gives its arguments (tensors
+    read for their shapes only), asked for only where torch has a formula for the op."""
+    if op.is_view:
+        return 0
+    formula = flop_registry.get(_SAME_FORMULA.get(op.overloadpacket, op.overloadpacket))
     if formula is not None:
-        args, kwargs = meta_arguments(node)
+        args, kwargs = arguments()
         try:
             return int(formula(*args, **kwargs, out_val=out))
         except Exception:  # a formula that does not fit these arguments: fall back to the size

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import types
 import weakref
 from typing import Any, Callable, Iterator
@@ -33,14 +34,17 @@ from typing import Any, Callable, Iterator
 import optree
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, get_device_states
 
 from remat.policies import MemoryBudget, nothing_saveable
 
 from .._core.errors import RematError
 from .._core.nodes import overwrites, written_values
-from .._core.torch_internals import SacEntry, selective_checkpoint_contexts
+from .._core.residuals import Recompute, Residual
+from .._core.torch_internals import SacEntry, inner_tensors, local_tensor, selective_checkpoint_contexts
 from .._partition.compiling import NAMED_COPY, Decisions
+from .._partition.costs import nbytes_of, op_flops
+from .._trace.failures import user_line
 from .._trace.hooks import forward_hooks
 from .._trace.reachable import Snapshot, modules_reached, roots_of, roots_of_hooks
 
@@ -52,12 +56,24 @@ def replaying() -> bool:
     return _REPLAYING.get()
 
 
+Observe = Callable[[list[Residual], list[Recompute]], None]  # told what one replayed call keeps and recomputes
+
+
 def replay(
-    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], policy: Callable[..., Any] | None, region: str
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    policy: Callable[..., Any] | None,
+    region: str,
+    observe: Observe | None = None,
 ) -> Any:
-    """`fn(*args, **kwargs)` as a checkpointed region under `policy`, op by op."""
+    """`fn(*args, **kwargs)` as a checkpointed region under `policy`, op by op; `observe`
+    (for remat.report) is told what the call keeps and what its backward recomputes."""
     roots = roots_of(fn, [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items()))
-    contexts = functools.partial(_contexts, policy, region, fn, roots)
+    observed = None
+    if observe is not None:
+        observed = functools.partial(_Observed, region, _input_names(fn, args, kwargs, roots), _rng_states(args), observe)
+    contexts = functools.partial(_contexts, policy, region, fn, roots, observed)
     function = functools.partial(fn, **kwargs) if kwargs else fn  # checkpoint's own keywords stay the function's
     token = _REPLAYING.set(True)
     try:
@@ -74,19 +90,23 @@ def replays_op_by_op(policy: Callable[..., Any] | None) -> bool:
 
 
 def _contexts(
-    policy: Callable[..., Any] | None, region: str, fn: Callable[..., Any], roots: list[tuple[str, Any]]
+    policy: Callable[..., Any] | None,
+    region: str,
+    fn: Callable[..., Any],
+    roots: list[tuple[str, Any]],
+    observed: Callable[[_ReplayDecisions | None], _Observed] | None,
 ) -> tuple[Any, Any]:
     """checkpoint's (forward, recompute) contexts for one call of the region."""
     python = _PythonState(fn, roots)
-    if not replays_op_by_op(policy):
-        writes = _ExternalWrites(region, None)
-        return _Entered(_Reentrant(python.forward), writes), _Entered(_Reentrant(python.recompute), _Rewound(writes))
-    decisions = _ReplayDecisions(policy, region)
+    decisions = _ReplayDecisions(policy, region) if replays_op_by_op(policy) else None
+    forward, recompute = _Reentrant(python.forward), _Reentrant(python.recompute)
+    watching = () if observed is None else (observed(decisions),)  # innermost: it sees each op first
+    writes = _ExternalWrites(region, decisions)
+    if decisions is None:
+        return _Entered(forward, writes, *watching), _Entered(recompute, _Rewound(writes))
     caching, cached = selective_checkpoint_contexts(decisions)
     decisions.caching = caching
-    writes = _ExternalWrites(region, decisions)
-    forward, recompute = _Reentrant(python.forward), _Reentrant(python.recompute)
-    return _Entered(forward, caching, writes), _Entered(recompute, _Rewound(writes), cached)
+    return _Entered(forward, caching, writes, *watching), _Entered(recompute, _Rewound(writes), cached)
 
 
 class _Entered:
@@ -136,6 +156,7 @@ class _ReplayDecisions(Decisions):
         self.kept: dict[tuple[torch.device, int], list[SacEntry]] = {}
         # the last single-output op call of each storage, for a name given to its output
         self.made_by: dict[tuple[torch.device, int], tuple[weakref.ref[torch.Tensor], SacEntry]] = {}
+        self.names: dict[tuple[Any, int], str] = {}  # (cache key, index) of a call kept by the name of its output
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if op._schema.is_mutable:
@@ -163,6 +184,7 @@ class _ReplayDecisions(Decisions):
         if made is None or made[0]() is not value:
             return CheckpointPolicy.MUST_SAVE  # not one op's only output: keep the copy
         made[1].keep(value)
+        self.names[made[1].key, made[1].index] = name
         self.kept.setdefault(key, []).append(made[1])
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -174,6 +196,129 @@ class _ReplayDecisions(Decisions):
         for entry in self.kept.pop(key, ()):
             entry.forget()
         self.made_by.pop(key, None)
+
+
+class _Observed(TorchDispatchMode):
+    """While a replayed region runs forward under remat.report, what it keeps for backward
+    and what its backward recomputes, at this rank's sizes (a DTensor by its local tensor):
+    - what it reads from memory it did not make, kept by reference (the recompute reads it
+      again): its arguments, its modules' parameters and buffers, what its closure holds;
+    - the outputs of the calls the policy kept (the cache the recompute takes them from);
+    - the generator states checkpoint keeps to replay the random stream;
+    - every other op call, run again in backward."""
+
+    def __init__(
+        self,
+        region: str,
+        names: dict[tuple[torch.device, int], str],
+        rng: list[torch.Tensor],
+        observe: Observe,
+        decisions: _ReplayDecisions | None,
+    ) -> None:
+        super().__init__()
+        self.region, self.names, self.rng, self.observe, self.decisions = region, names, rng, observe, decisions
+        self.made: set[tuple[torch.device, int]] = set()
+        self.reads: dict[tuple[torch.device, int], torch.Tensor] = {}
+        # (op, its outputs, the user's line, FLOPs, its cache entry, the name a named copy gives)
+        self.calls: list[tuple[Any, list[torch.Tensor], str | None, int, SacEntry | None, str | None]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)  # no tensor op runs below: every mode under this one would count it
+        given = _plain_tensors((args, kwargs))
+        for tensor in given:
+            key = _memory_of(tensor)
+            if key is not None and key not in self.made:
+                self.reads.setdefault(key, tensor)
+        keys = {_memory_of(t) for t in given}
+        outs = _plain_tensors(out)
+        self.made.update(key for key in map(_memory_of, outs) if key is not None and key not in keys)
+        flops = op_flops(func, lambda: (_locals(args), _locals(kwargs)), outs)
+        caching = None if self.decisions is None else self.decisions.caching
+        entry = None if caching is None else SacEntry.of_call(caching, func, args)
+        name = args[1] if func is NAMED_COPY else None
+        self.calls.append((func, outs, user_line(replay.__code__), flops, entry, name))
+        return out
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if exc[0] is None:
+            self.observe(self._residuals(), self._recomputes())
+
+    def _residuals(self) -> list[Residual]:
+        def residual(t: torch.Tensor, kind: str, op: Any, name: str | None, source: str | None) -> Residual:
+            return Residual(tuple(t.shape), t.dtype, nbytes_of(tuple(t.shape), t.dtype), kind, op, name, source, self.region)
+
+        kept = [residual(t, "input", None, None, self.names.get(key)) for key, t in self.reads.items()]
+        counted = set(self.reads)  # memory kept twice (an op's output and its alias) is kept once
+        names = {} if self.decisions is None else self.decisions.names
+        for func, outs, source, _, entry, copy_name in self.calls:
+            if entry is None or not entry.kept():
+                continue
+            name = names.get((entry.key, entry.index), copy_name)
+            for t in outs:
+                key = _memory_of(t)
+                if key in counted:
+                    continue
+                if key is not None:
+                    counted.add(key)
+                kept.append(residual(t, "intermediate", func, name, source))
+        kept.extend(residual(state, "rng", None, None, "generator state") for state in self.rng)
+        return kept
+
+    def _recomputes(self) -> list[Recompute]:
+        return [
+            Recompute(func, source, flops, self.region)
+            for func, _, source, flops, entry, _ in self.calls
+            if entry is None or not entry.kept()
+        ]
+
+
+def _plain_tensors(value: Any) -> list[torch.Tensor]:
+    """The plain tensors holding the memory of the tensors in `value` (a DTensor's shard)."""
+    return [inner for t in optree.tree_leaves(value) if isinstance(t, torch.Tensor) for inner in inner_tensors(t)]  # type: ignore[arg-type]
+
+
+def _locals(value: Any) -> Any:
+    """`value` with each DTensor as this rank's shard (for FLOPs at this rank's sizes)."""
+    return optree.tree_map(lambda v: local_tensor(v) if isinstance(v, torch.Tensor) else v, value)  # type: ignore[arg-type]
+
+
+def _memory_of(t: torch.Tensor) -> tuple[torch.device, int] | None:
+    """The memory of a plain dense tensor, or None."""
+    return _storage_key(t) if _has_storage(t) else None
+
+
+def _input_names(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], roots: list[tuple[str, Any]]
+) -> dict[tuple[torch.device, int], str]:
+    """Where each tensor a region can read from comes from, by its memory: the argument's
+    name (as a traced region's report names it), `self.` and a module's parameter or
+    buffer name, a closure's name."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+        named = list(bound.items())
+    except (TypeError, ValueError):  # no signature to bind to: by position
+        named = [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items())
+    names: dict[tuple[torch.device, int], str] = {}
+    for path, value in named + [root for root in roots if not root[0].startswith("args[") and root[0] not in kwargs]:
+        if isinstance(value, torch.nn.Module):
+            tensors = [*value.named_parameters(), *value.named_buffers()]
+            leaves = [(f"{path}.{name}", t) for name, t in tensors]
+        else:
+            paths, values, _ = optree.tree_flatten_with_path(value)  # type: ignore[arg-type]
+            leaves = [(path + "".join(f"[{p!r}]" for p in at), v) for at, v in zip(paths, values)]
+        for where, t in leaves:
+            for inner in _plain_tensors(t):
+                if (key := _memory_of(inner)) is not None:
+                    names.setdefault(key, where)
+    return names
+
+
+def _rng_states(args: tuple[Any, ...]) -> list[torch.Tensor]:
+    """The generator states checkpoint keeps for a call (preserve_rng_state): the CPU
+    generator's, and that of each accelerator holding an argument."""
+    return [torch.get_rng_state(), *get_device_states(*args)[1]]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[torch.device, int]:

@@ -14,6 +14,7 @@ import optree
 import pytest
 import torch
 import torch.nn.utils.prune
+from support.kept_memory import bytes_kept_for_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from remat import RematFallbackWarning, RematTraceError, checkpoint_name, remat, report
@@ -140,16 +141,32 @@ def test_under_a_transform_or_with_fallback_off_an_untraceable_region_raises(nam
         remat(f, fallback=False)(x, w.requires_grad_())
 
 
-def test_a_report_over_a_region_that_trains_replayed_says_it_cannot_describe_it() -> None:
-    """A report traces under torch.func.vjp, where such a region cannot run; the error says
-    what the region does in training instead (it trains exactly: the tests above)."""
-    f = remat(FUNCTIONS[next(iter(FUNCTIONS))])
-    x, w = torch.randn(6, 4, dtype=torch.float64), torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
-    with pytest.raises(RematTraceError) as raised:
-        report(f, x, w)
-    assert "remat.report describes each region by its trace" in "\n".join(raised.value.__notes__)
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_a_report_says_what_an_untraceable_region_keeps_as_its_backward_graph_holds_it(name: str, policy_name: str) -> None:
+    """The report's kept intermediates are, byte for byte, the memory the forward made that
+    the backward graph holds (found by the garbage collector); the inputs it reads are kept
+    by reference, by name; the generator state checkpoint keeps; every op not kept is
+    recomputed; and the region still trains as without remat."""
+    region = remat(FUNCTIONS[name], policy=POLICIES[policy_name])
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
     with pytest.warns(RematFallbackWarning):
-        f(x, w).sum().backward()  # and it trains
+        found = report(region, x, w)
+    assert found.replayed == {region.region} and found.calls == 1
+    kept = sum(r.nbytes for r in found.residuals if r.kind == "intermediate")
+    assert kept == bytes_kept_for_backward(lambda: region(x, w))
+    inputs = [(r.source, r.shape) for r in found.residuals if r.kind == "input"]
+    assert inputs == [("x", (6, 4)), ("w", (4, 4))]
+    assert [r.nbytes for r in found.residuals if r.kind == "rng"] == [torch.get_rng_state().numel()]
+    names = {r.name for r in found.residuals if r.kind == "intermediate"}
+    keeps_h = policy_name in ("names", "everything") and name != "in place after a kept matmul"
+    assert names <= {"h", None} and ("h" in names) == keeps_h
+    if kept == 0:  # nothing kept: backward runs the whole forward again, a matmul at least
+        assert any(c.op is torch.ops.aten.mm.default for c in found.recomputes)
+    assert f"{region.region} (replayed)" in str(found)
+    torch.manual_seed(0)
+    _assert_bitwise(_grads(region, torch.float64), (torch.manual_seed(0), _grads(FUNCTIONS[name], torch.float64))[1])
 
 
 class _Block(torch.nn.Module):

@@ -4,11 +4,12 @@ under SequenceParallel, the activations sharded along the sequence between block
 FSDP2 x TP on a 2 x 2 mesh of four. remat traces plain tensors only, so each layer runs replayed (as
 torch.utils.checkpoint runs it, the policy asked op by op); loss, every local gradient
 shard and the random stream after equal no remat bitwise on every rank, under every
-built-in policy. The processes are spawned and joined by the test."""
+built-in policy; and remat.report on each rank says what that rank keeps. The processes are spawned and joined by the test."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import socket
 import warnings
@@ -72,6 +73,26 @@ def _steps(layers: torch.nn.ModuleList, x: torch.Tensor) -> list[torch.Tensor]:
     return [loss.detach(), *(p.grad.to_local().clone() for p in layers.parameters()), torch.rand(2)]  # type: ignore[union-attr]
 
 
+def _reports_what_it_keeps(model: torch.nn.ModuleList, x: torch.Tensor, policy_name: str) -> bool:
+    """remat.report on this rank, layer by layer: what a layer keeps is this rank's, byte
+    for byte the memory its backward graph holds (the garbage collector's count, no remat
+    in it); under `dots` the up-projection's kept output is this rank's column shard."""
+    from support.kept_memory import bytes_kept_for_backward
+
+    import remat
+
+    agree = True
+    for layer in model:
+        found = remat.report(layer, x)
+        kept = [r for r in found.residuals if r.kind == "intermediate"]
+        measured = bytes_kept_for_backward(functools.partial(layer, x.detach().requires_grad_()))
+        sharded = policy_name != "dots" or any(r.op is torch.ops.aten.addmm.default and r.shape[-1] == 16 // WORLD for r in kept)
+        agree &= found.replayed == {layer.forward.region} and sum(r.nbytes for r in kept) == measured and sharded
+        with torch.no_grad():
+            x = layer(x)
+    return agree
+
+
 def _worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -80,6 +101,7 @@ def _worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> 
         from torch.distributed.tensor.parallel import parallelize_module
 
         import remat
+
         from conftest import BUILT_IN_POLICIES
 
         warnings.simplefilter("ignore", remat.RematFallbackWarning)
@@ -100,7 +122,8 @@ def _worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> 
                 expected, actual = _steps(reference, inputs[kind]), _steps(model, inputs[kind])
                 replayed = all(layer.forward.cache_info()["replays"] == 1 for layer in model)
                 equal = all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
-                results[(rank, kind, name)] = replayed and equal
+                reported = _reports_what_it_keeps(model, inputs[kind], name)
+                results[(rank, kind, name)] = replayed and equal and reported
     finally:
         dist.destroy_process_group()
 
@@ -139,6 +162,7 @@ def _fsdp_worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
         import remat
+
         from conftest import BUILT_IN_POLICIES
 
         warnings.simplefilter("ignore", remat.RematFallbackWarning)
