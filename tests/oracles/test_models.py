@@ -20,12 +20,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import model_zoo as Z
+import optree
 import pytest
 import torch
+from support.kept_memory import bytes_kept_for_backward
 from torch.func import functional_call, grad, grad_and_value, vmap
 
 import remat
@@ -156,6 +159,41 @@ def test_layers_remat_cannot_trace_train_as_without_remat(case_name: str, policy
     _assert_steps_match(actual, _backward_steps(case, reference))
     for layer in case.layers(model):
         assert layer.forward.cache_info()["replays"] == 2, layer.forward.cache_info()
+
+
+@pytest.mark.parametrize("policy_name", ["nothing", "dots", "everything"])
+@pytest.mark.parametrize("case_name", [case.name for case in Z.REPLAYED_CASES])
+def test_a_report_of_a_layer_that_runs_replayed_says_what_its_backward_graph_holds(case_name: str, policy_name: str) -> None:
+    """remat.report of each replayed layer, called as the model calls it: the values it
+    keeps are, byte for byte, the memory its forward made that its backward graph holds
+    (the garbage collector's count, which reads nothing of remat's); the same random draws
+    in both, so that the routing, and with it every shape, is the same."""
+    case = next(c for c in Z.REPLAYED_CASES if c.name == case_name)
+    torch.manual_seed(0)
+    model = case.build()
+    layers = list(case.layers(model))
+    calls: list[tuple[Any, ...]] = []
+    handles = [layer.register_forward_pre_hook(lambda m, a, k: calls.append((m, a, k)), with_kwargs=True) for layer in layers]
+    with torch.no_grad():
+        model(**case.model_kwargs(case.batch(Z.BATCH)))
+    for handle in handles:
+        handle.remove()
+    remat.checkpoint_layers(case.layers(model), MODEL_POLICIES[policy_name])
+    for layer, args, kwargs in calls:
+
+        def forward(layer: Any = layer, args: Any = args, kwargs: Any = kwargs) -> torch.Tensor:
+            torch.manual_seed(1)
+            out = layer(args[0].detach().requires_grad_(), *args[1:], **kwargs)
+            return next(t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor))
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", remat.RematFallbackWarning)
+            torch.manual_seed(1)
+            found = remat.report(layer, *args, **kwargs)
+            measured = bytes_kept_for_backward(forward)
+        assert found.replayed == {layer.forward.region}
+        assert sum(r.nbytes for r in found.residuals if r.kind == "intermediate") == measured, layer.forward.region
+        assert (measured > 0) == (policy_name != "nothing")  # a policy that keeps: values kept
 
 
 # ---------------------------------------------------------------- functional_call + grad
