@@ -203,7 +203,8 @@ class _Observed(TorchDispatchMode):
     and what its backward recomputes, at this rank's sizes (a DTensor by its local tensor):
     - what it reads from memory it did not make, kept by reference (the recompute reads it
       again): its arguments, its modules' parameters and buffers, what its closure holds;
-    - the outputs of the calls the policy kept (the cache the recompute takes them from);
+    - the outputs of the calls the policy kept (the cache the recompute takes them from),
+      except memory their owner freed after the forward (FSDP's gathered parameters);
     - the generator states checkpoint keeps to replay the random stream;
     - every other op call, run again in backward."""
 
@@ -250,7 +251,9 @@ class _Observed(TorchDispatchMode):
             return Residual(tuple(t.shape), t.dtype, nbytes_of(tuple(t.shape), t.dtype), kind, op, name, source, self.region)
 
         kept = [residual(t, "input", None, None, self.names.get(key)) for key, t in self.reads.items()]
-        counted = set(self.reads)  # memory kept twice (an op's output and its alias) is kept once
+        # memory kept twice (an op's output and its alias) is kept once; where each is now (an
+        # owner that frees and gathers again, as FSDP does, moves it outside any op)
+        counted = {_memory_of(t) for t in self.reads.values()}
         names = {} if self.decisions is None else self.decisions.names
         for func, outs, source, _, entry, copy_name in self.calls:
             if entry is None or not entry.kept():
@@ -258,10 +261,9 @@ class _Observed(TorchDispatchMode):
             name = names.get((entry.key, entry.index), copy_name)
             for t in outs:
                 key = _memory_of(t)
-                if key in counted:
+                if _freed(t) or (key is not None and key in counted):
                     continue
-                if key is not None:
-                    counted.add(key)
+                counted.add(key)
                 kept.append(residual(t, "intermediate", func, name, source))
         kept.extend(residual(state, "rng", None, None, "generator state") for state in self.rng)
         return kept
@@ -277,6 +279,12 @@ class _Observed(TorchDispatchMode):
 def _plain_tensors(value: Any) -> list[torch.Tensor]:
     """The plain tensors holding the memory of the tensors in `value` (a DTensor's shard)."""
     return [inner for t in optree.tree_leaves(value) if isinstance(t, torch.Tensor) for inner in inner_tensors(t)]  # type: ignore[arg-type]
+
+
+def _freed(t: torch.Tensor) -> bool:
+    """Whether the owner of `t`'s memory freed it after making it (FSDP frees the parameters
+    it gathered once a layer's forward is done): a value so kept holds no memory."""
+    return _has_storage(t) and t.numel() > 0 and t.untyped_storage().nbytes() == 0
 
 
 def _locals(value: Any) -> Any:

@@ -194,11 +194,32 @@ def _fsdp_worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]
                 model.zero_grad()
             return seen
 
+        def kept(model: torch.nn.Module) -> list[tuple[object, ...]]:
+            """What remat.report says the model's layers keep on this rank, in order."""
+            found = remat.report(model, x)
+            assert len(found.replayed) == 2
+            # what FSDP allocates itself (the buffer it gathers parameters into, which a policy
+            # that keeps every output keeps) apart, the values tensor parallel's layers keep
+            fsdp_buffer = torch.ops.aten.empty.memory_format
+            return [(r.op, r.shape, r.dtype) for r in found.residuals if r.kind == "intermediate" and r.op is not fsdp_buffer]
+
+        def tensor_parallel_only(policy_name: str) -> torch.nn.Module:
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(_Block(), _Block())
+            for layer in model:
+                parallelize_module(layer, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+            remat.checkpoint_layers(list(model), BUILT_IN_POLICIES[policy_name])
+            return model
+
         for layout in FSDP_LAYOUTS:
             expected = two_steps(build(layout, None))
             for name in FSDP_POLICY_NAMES:
-                actual = two_steps(build(layout, name))
-                results[(rank, layout, name)] = all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+                model = build(layout, name)
+                actual = two_steps(model)
+                equal = all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+                # FSDP shards and gathers parameters: the values a layer keeps are tensor parallel's
+                reported = kept(model) == kept(tensor_parallel_only(name))
+                results[(rank, layout, name)] = equal and reported
     finally:
         dist.destroy_process_group()
 
