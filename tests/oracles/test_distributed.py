@@ -13,11 +13,13 @@ import functools
 import os
 import socket
 import warnings
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytestmark = pytest.mark.models
 
@@ -93,6 +95,53 @@ def _reports_what_it_keeps(model: torch.nn.ModuleList, x: torch.Tensor, policy_n
     return agree
 
 
+_COMMUNICATING = {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"}
+
+
+class _Communication(TorchDispatchMode):
+    """Counts the collectives that run while it is on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectives = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.collectives += func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in _COMMUNICATING
+        return func(*args, **(kwargs or {}))
+
+
+def _keeps_collectives_when_named(mesh: Any, x: torch.Tensor) -> bool:
+    """Sequence parallel: a policy that keeps the collectives (`save_ops(COLLECTIVES)`)
+    makes backward communicate as much as without remat, and no more; one that does not
+    gathers the sequence again in the recompute. Gradients as without remat either way."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import remat
+    from remat import policies as P
+
+    def backward_collectives(policy: Any) -> tuple[int, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        layers = torch.nn.ModuleList([_NormBlock() for _ in range(2)])
+        for layer in layers:
+            parallelize_module(layer, mesh, _tp_plan("sp"))  # type: ignore[arg-type]
+        if policy is not None:
+            remat.checkpoint_layers(layers, policy)
+        torch.manual_seed(5)
+        h = x
+        for layer in layers:
+            h = layer(h)
+        counting = _Communication()
+        with counting:
+            h.pow(2).sum().backward()
+        return counting.collectives, [p.grad.to_local() for p in layers.parameters()]  # type: ignore[union-attr]
+
+    (plain, expected), (named, kept), (unnamed, recomputed) = (
+        backward_collectives(policy) for policy in (None, P.dots_saveable | P.save_ops(P.COLLECTIVES), P.dots_saveable)
+    )
+    exact = all(torch.equal(a, e) for grads in (kept, recomputed) for a, e in zip(grads, expected, strict=True))
+    return exact and named == plain < unnamed
+
+
 def _worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -124,6 +173,7 @@ def _worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> 
                 equal = all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
                 reported = _reports_what_it_keeps(model, inputs[kind], name)
                 results[(rank, kind, name)] = replayed and equal and reported
+        results[(rank, "sp", "collectives named")] = _keeps_collectives_when_named(mesh, inputs["sp"])
     finally:
         dist.destroy_process_group()
 
@@ -141,6 +191,7 @@ def test_tensor_parallel_layers_equal_no_remat_on_every_rank_under_every_policy(
         mp.spawn(_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
         outcome = dict(results)
     expected = {(rank, kind, name): True for rank in range(WORLD) for kind in KINDS for name in POLICY_NAMES}
+    expected.update({(rank, "sp", "collectives named"): True for rank in range(WORLD)})
     assert outcome == expected
 
 
