@@ -49,7 +49,7 @@ from .._trace.attribute_reads import recording_reads
 from .._trace.hooks import call_hooks
 from .._trace.records import StageOne
 from .._trace.tracing import differentiate, gradient_count, inside_trace, nested_region
-from .reports import observing_replay, record
+from .reports import observing_replay, record, reporting
 
 
 def _normalise_argnums(static_argnums: int | Iterable[int]) -> frozenset[int]:
@@ -234,8 +234,8 @@ class Rematerialized(Generic[_P, _R]):
             # autograd.Function's jvp rule cannot make exact under every nesting of
             # transforms: run the function as it is, exactly as without remat.
             return self.fn(*args, **kwargs)
-        if self.dynamic and not isinstance(policy, MemoryBudget) and not transforms_active():  # a budget: traced here
-            return self._call_dynamic(args, kwargs)
+        if self.dynamic and not isinstance(policy, MemoryBudget) and not transforms_active() and not reporting():
+            return self._call_dynamic(args, kwargs)  # (a budget, a transform or a report: traced here, per shape)
         plans = self._plans if override is None else self._plans_for(policy)
         try:
             call = split_call(self.fn, self._names, args, kwargs, self.static_argnums, self.static_argnames, self._captures)

@@ -228,6 +228,11 @@ def record(runnable: Runnable) -> None:
         sink.add(found.residuals, found.recomputes)
 
 
+def reporting() -> bool:
+    """Whether a report is being made (regions then describe themselves to it)."""
+    return _recorder.get() is not None
+
+
 @contextlib.contextmanager
 def observing_replay(region: str) -> Iterator[Callable[[list[Residual], list[Recompute]], None] | None]:
     """For a region about to run replayed: what to tell what it keeps and recomputes, or

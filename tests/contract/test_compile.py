@@ -227,6 +227,22 @@ def test_remat_dynamic_traces_twice_for_many_lengths_and_stays_exact() -> None:
     assert block.cache_info()["traces"] == traces + 1
 
 
+def test_a_report_describes_a_dynamic_region_as_the_same_region_traced_per_shape() -> None:
+    """A report asks each region for its plan: a dynamic=True region gives the one it would
+    trace per shape (its compiled graph keeps the same, the test above)."""
+    dynamic = remat.remat(_block, policy=OP_POLICIES["dots_or_names"], static_argnums=2, dynamic=True)
+    per_shape = remat.remat(_block, policy=OP_POLICIES["dots_or_names"], static_argnums=2)
+    weights = _weights(1)[0]
+    x = torch.randn(2, 8, D, dtype=torch.float64)
+
+    def described(f: Callable[..., torch.Tensor]) -> list[tuple[object, ...]]:
+        found = remat.report(f, x, weights, 0.0)
+        assert found.calls == 1
+        return [(r.kind, r.shape, r.op, r.name, r.source) for r in found.residuals] + [(c.op, c.flops) for c in found.recomputes]
+
+    assert described(dynamic) == described(per_shape)
+
+
 @pytest.mark.parametrize("setting", ["budget", "debug"])
 def test_dynamic_with_an_eager_only_setting_is_refused_when_made(setting: str) -> None:
     kwargs = {"policy": P.memory_budget(0.5)} if setting == "budget" else {"debug": True}
