@@ -170,7 +170,7 @@ SWEEPS: dict[str, str] = {
     "differential": "random programs against no remat (tests/oracles/test_differential.py)",
     "models": "real models from transformers, torchvision and torch, and Opacus, against no remat",
     "compile": "regions under torch.compile (tests/contract/test_compile.py)",
-    "product": "full products of policies, functions and transforms (tests/contract/test_transforms.py, tests/contract/test_memory_contract.py; the default run takes a cover of each)",
+    "product": "full products of policies, functions and transforms (tests/contract/test_transforms.py, tests/contract/test_memory_contract.py, reports in tests/contract/test_fallback.py; the default run takes a cover of each)",
     "properties": "the property test at its full example count (tests/oracles/test_properties.py)",
     "examples": "the examples and the benchmark scripts run (tests/contract/test_examples.py, tests/contract/test_bench.py)",
 }

@@ -53,7 +53,7 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
-def bytes_kept_for_backward(forward: Callable[[], torch.Tensor], runs: int = 2) -> int:
+def bytes_kept_for_backward(forward: Callable[[], torch.Tensor], runs: int = 1) -> int:
     """Bytes of the memory `forward()` allocated that its output's backward graph keeps
     alive: the least over `runs` runs (what the graph keeps, it keeps every time; memory a
     run happens to hold a moment longer, a collective's pending work, it does not)."""
