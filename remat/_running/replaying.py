@@ -227,11 +227,10 @@ class _Observed(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)  # no tensor op runs below: every mode under this one would count it
         given = _plain_tensors((args, kwargs))
-        for tensor in given:
-            key = _memory_of(tensor)
+        keys = [_memory_of(t) for t in given]
+        for key, tensor in zip(keys, given):
             if key is not None and key not in self.made:
                 self.reads.setdefault(key, tensor)
-        keys = {_memory_of(t) for t in given}
         outs = _plain_tensors(out)
         self.made.update(key for key in map(_memory_of, outs) if key is not None and key not in keys)
         flops = op_flops(func, lambda: (_locals(args), _locals(kwargs)), outs)
