@@ -5,7 +5,9 @@ once per forward op of the traced function: ``op`` is the aten op (an ``OpOverlo
 ``args`` and ``kwargs`` are the op's arguments with tensors replaced by data-free ``meta``
 tensors that carry shape, dtype and strides. A value tagged with ``checkpoint_name`` is
 asked with its name as the keyword ``name``. ``True`` means "may be kept": a value is kept
-only if the backward pass reads it. Anything but a bool is a TypeError.
+only if the backward pass reads it. Anything but a bool is a TypeError. Collectives
+(``COLLECTIVES``) are the exception: their outputs are kept without asking, unless the
+policy names them (see ``names_collectives``).
 
 Built-in policies are frozen, hashable values with a readable repr, so they can serve as
 cache keys, and they combine: ``a | b`` (either keeps), ``a & b`` (both keep), ``~a``.
@@ -42,6 +44,7 @@ __all__ = [
     "PolicyBase",
     "References",
     "references",
+    "names_collectives",
     "everything_saveable",
     "nothing_saveable",
     "dots_saveable",
@@ -93,6 +96,14 @@ def references(policy: Any) -> References:
     """The references of any policy (a plain function makes none)."""
     method = getattr(policy, "references", None)
     return method() if callable(method) else References()
+
+
+def names_collectives(policy: Any) -> bool:
+    """Whether `policy` decides about collectives. Only a policy that names one
+    (``save_ops(COLLECTIVES)``, ``~save_ops(COLLECTIVES)``, ``offload_ops`` of one) is asked
+    about them; under any other remat keeps their outputs, so that backward communicates
+    no more than without remat."""
+    return any(group & COLLECTIVES for group in references(policy).ops)
 
 
 def _as_policy(value: Any) -> Policy:

@@ -1,6 +1,7 @@
 """Asking a policy: the one place remat calls one, for eager graphs and compiled ones
 alike. A policy sees metadata only (meta tensors, meta as a factory's device) and must
-answer True (may keep), False (recompute) or an Offload."""
+answer True (may keep), False (recompute) or an Offload. A collective's output is kept
+without asking a policy that does not name collectives."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from remat.policies import Offload, describe_group, op_key, references
+from remat.policies import COLLECTIVES, Offload, describe_group, names_collectives, op_key, references
 
 from .._core.errors import RematPolicyWarning
 from .._core.logs import warn_at_user_line
@@ -32,9 +33,10 @@ def policy_decider(scopes: Sequence[Scope]) -> Decide:
 
 
 def ask(policy: Callable[..., bool] | None, node: torch.fx.Node) -> bool:
-    """`policy`'s answer for `node`, asked with data-free meta tensors; insist on a bool."""
+    """`policy`'s answer for `node`, asked with data-free meta tensors; insist on a bool.
+    No policy keeps nothing but a collective's output."""
     if policy is None:
-        return False
+        return kept_unasked(None, node.target)
     args, kwargs = meta_arguments(node)
     return answer_of(policy, node.target, args, kwargs, node_name(node))
 
@@ -42,11 +44,22 @@ def ask(policy: Callable[..., bool] | None, node: torch.fx.Node) -> bool:
 _META = torch.device("meta")
 
 
+def kept_unasked(policy: Callable[..., Any] | None, op: Any) -> bool:
+    """Whether `op`'s output is kept without asking `policy`: a collective's is, unless the
+    policy names collectives. Recomputing one communicates again in backward (under
+    sequence parallelism, the whole sequence gathered a second time)."""
+    if getattr(op, "namespace", None) != "_c10d_functional":
+        return False
+    return op_key(op) in COLLECTIVES and not names_collectives(policy)
+
+
 def answer_of(policy: Callable[..., bool], op: Any, args: Any, kwargs: dict[str, Any], name: str | None) -> bool:
     """`policy`'s answer for `op` called with (meta) `args`, its output tagged `name`;
     insist on a bool or an Offload. The policy runs with meta as the default device, so
     one that runs the op to see its output never computes anything (nor draws from a
-    generator)."""
+    generator). A collective it does not name is kept unasked."""
+    if kept_unasked(policy, op):
+        return True
     if name is not None:
         kwargs = {**kwargs, "name": name}
     if "device" in kwargs:  # a factory's device: the policy sees metadata only, as for tensors

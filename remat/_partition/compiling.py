@@ -33,7 +33,7 @@ from .._core.torch_internals import (
     tracing_node,
     transforms_active_while_compiling,
 )
-from .asking import answer_of
+from .asking import answer_of, kept_unasked
 
 
 @torch.library.custom_op("remat::checkpoint_name", mutates_args=())
@@ -85,8 +85,10 @@ class Decisions:
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if isinstance(self.policy, MemoryBudget):  # reached under fullgraph only: see call_under_compile
             raise budget_under_compile(self.policy, self.region)
-        if self.policy is None or getattr(op, "is_view", False):  # a view is remade from its base, as in eager
+        if getattr(op, "is_view", False):  # a view is remade from its base, as in eager
             return CheckpointPolicy.PREFER_RECOMPUTE
+        if self.policy is None:  # keeps nothing but a collective's output
+            return self.tag(op, kept_unasked(None, op))
         if op is NAMED_COPY:
             self._name(self.policy, args[0], args[1])
             return CheckpointPolicy.PREFER_RECOMPUTE

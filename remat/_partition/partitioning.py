@@ -38,7 +38,7 @@ from .._trace.randomness import (
     state_shape,
     steps_of,
 )
-from .asking import Decide, ask
+from .asking import Decide, ask, kept_unasked
 from .budget import Budget, choose_within_budget
 from .costs import flops, value_bytes
 from .offloading import offload_of, offloaded_value, to_device, to_host
@@ -499,8 +499,10 @@ def _within_budget(
     must_keep: set[torch.fx.Node],
 ) -> set[torch.fx.Node]:
     """What a memory-budget region may keep: the values of its own ops (nested regions
-    decide theirs) whose kept bytes fit the budget with the least recompute FLOPs."""
-    base = _allowed(graph, forward_nodes, lambda n: not budget.governs(n) and decide(n)) | must_keep
+    decide theirs) whose kept bytes fit the budget with the least recompute FLOPs, and its
+    collectives' outputs, kept anyway (a budget names no op)."""
+    base = _allowed(graph, forward_nodes, lambda n: kept_unasked(None, n.target) if budget.governs(n) else decide(n))
+    base |= must_keep
     _, _, recomputed_by_default = _walk(needed, base, input_set)
     candidates = [
         producer(n) for n in graph.nodes

@@ -85,8 +85,16 @@ def replay(
 def replays_op_by_op(policy: Callable[..., Any] | None) -> bool:
     """Whether a replayed region asks `policy` op by op: not for a policy that keeps
     nothing, nor for a memory budget (it chooses by tracing; a replayed region under one
-    recomputes everything, the least it can keep)."""
-    return policy is not None and policy is not nothing_saveable and not isinstance(policy, MemoryBudget)
+    keeps the least it can), unless the region may communicate: a collective's output is
+    kept under those too."""
+    if policy is None or policy is nothing_saveable or isinstance(policy, MemoryBudget):
+        return _communicating()
+    return True
+
+
+def _communicating() -> bool:
+    """Whether collectives can run in this process (a default process group exists)."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _contexts(
@@ -98,7 +106,8 @@ def _contexts(
 ) -> tuple[Any, Any]:
     """checkpoint's (forward, recompute) contexts for one call of the region."""
     python = _PythonState(fn, roots)
-    decisions = _ReplayDecisions(policy, region) if replays_op_by_op(policy) else None
+    asked = nothing_saveable if policy is None or isinstance(policy, MemoryBudget) else policy  # the least it can
+    decisions = _ReplayDecisions(asked, region) if replays_op_by_op(policy) else None
     forward, recompute = _Reentrant(python.forward), _Reentrant(python.recompute)
     watching = () if observed is None else (observed(decisions),)  # innermost: it sees each op first
     writes = _ExternalWrites(region, decisions)

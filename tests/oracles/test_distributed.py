@@ -4,7 +4,10 @@ under SequenceParallel, the activations sharded along the sequence between block
 FSDP2 x TP on a 2 x 2 mesh of four. remat traces plain tensors only, so each layer runs replayed (as
 torch.utils.checkpoint runs it, the policy asked op by op); loss, every local gradient
 shard and the random stream after equal no remat bitwise on every rank, under every
-built-in policy; and remat.report on each rank says what that rank keeps. The processes are spawned and joined by the test."""
+built-in policy; and remat.report on each rank says what that rank keeps. Backward runs as
+many collectives as without remat (their outputs kept), in replayed layers and in a traced
+function region that calls a functional collective. The processes are spawned and joined
+by the test."""
 
 from __future__ import annotations
 
@@ -110,21 +113,24 @@ class _Communication(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _keeps_collectives_when_named(mesh: Any, x: torch.Tensor) -> bool:
-    """Sequence parallel: a policy that keeps the collectives (`save_ops(COLLECTIVES)`)
-    makes backward communicate as much as without remat, and no more; one that does not
-    gathers the sequence again in the recompute. Gradients as without remat either way."""
+def _backward_communicates_as_without_remat(mesh: Any, x: torch.Tensor) -> dict[str, bool]:
+    """Sequence parallel, replayed: under every built-in policy (none names collectives)
+    backward communicates as much as without remat and no more, the collectives' outputs
+    kept; a policy that names them to recompute (`& ~save_ops(COLLECTIVES)`) gathers the
+    sequence again. Gradients as without remat either way."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     import remat
     from remat import policies as P
 
-    def backward_collectives(policy: Any) -> tuple[int, list[torch.Tensor]]:
+    from conftest import BUILT_IN_POLICIES
+
+    def backward_collectives(name: str, policy: Any) -> tuple[int, list[torch.Tensor], bool]:
         torch.manual_seed(0)
         layers = torch.nn.ModuleList([_NormBlock() for _ in range(2)])
         for layer in layers:
             parallelize_module(layer, mesh, _tp_plan("sp"))  # type: ignore[arg-type]
-        if policy is not None:
+        if name != "plain":
             remat.checkpoint_layers(layers, policy)
         torch.manual_seed(5)
         h = x
@@ -133,13 +139,62 @@ def _keeps_collectives_when_named(mesh: Any, x: torch.Tensor) -> bool:
         counting = _Communication()
         with counting:
             h.pow(2).sum().backward()
-        return counting.collectives, [p.grad.to_local() for p in layers.parameters()]  # type: ignore[union-attr]
+        return counting.collectives, [p.grad.to_local() for p in layers.parameters()], True  # type: ignore[union-attr]
 
-    (plain, expected), (named, kept), (unnamed, recomputed) = (
-        backward_collectives(policy) for policy in (None, P.dots_saveable | P.save_ops(P.COLLECTIVES), P.dots_saveable)
-    )
-    exact = all(torch.equal(a, e) for grads in (kept, recomputed) for a, e in zip(grads, expected, strict=True))
-    return exact and named == plain < unnamed
+    recomputing = P.dots_saveable & ~P.save_ops(P.COLLECTIVES)
+    return _communicates_as_plain(backward_collectives, {**BUILT_IN_POLICIES, RECOMPUTED: recomputing})
+
+
+def _traced_region_communicates_as_without_remat(x: torch.Tensor) -> dict[str, bool]:
+    """A function region that calls a functional collective runs traced, and keeps the
+    collective's output as a replayed region does: backward communicates as without remat
+    under every built-in policy, more under one that names collectives to recompute; its
+    report lists the gathered value as kept."""
+    import torch.distributed._functional_collectives as collectives
+
+    import remat
+    from remat import policies as P
+
+    from conftest import BUILT_IN_POLICIES
+
+    w = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def gathered(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        everyone = collectives.all_gather_tensor(x @ w, 0, list(range(WORLD)))
+        return (everyone.sin() @ w.t()).sum(0)
+
+    def backward_collectives(name: str, policy: Any) -> tuple[int, list[torch.Tensor], bool]:
+        inputs = [x.detach().requires_grad_(), w.detach().requires_grad_()]
+        fn = gathered if name == "plain" else remat.remat(gathered, policy=policy)
+        out = fn(*inputs)
+        counting = _Communication()
+        with counting:
+            grads = list(torch.autograd.grad(out.pow(2).sum(), inputs))
+        if name == "plain":
+            return counting.collectives, grads, True
+        residuals = remat.report(fn, *inputs).residuals
+        kept = any(r.op is torch.ops._c10d_functional.wait_tensor.default for r in residuals)
+        traced = fn.cache_info()["replays"] == 0  # type: ignore[attr-defined]
+        return counting.collectives, grads, traced and kept == (name != RECOMPUTED)
+
+    recomputing = P.nothing_saveable & ~P.save_ops(P.COLLECTIVES)
+    return _communicates_as_plain(backward_collectives, {**BUILT_IN_POLICIES, RECOMPUTED: recomputing})
+
+
+RECOMPUTED = "collectives named, recomputed"
+
+
+def _communicates_as_plain(run: Any, policies: dict[str, Any]) -> dict[str, bool]:
+    """For each policy: gradients as without remat, and backward's collectives as many as
+    without remat (more under the one that names collectives to recompute); `run` says
+    whether what it saw is otherwise as expected."""
+    plain, expected, _ = run("plain", None)
+    outcome = {}
+    for name, policy in policies.items():
+        count, grads, consistent = run(name, policy)
+        exact = all(torch.equal(a, e) for a, e in zip(grads, expected, strict=True))
+        outcome[name] = consistent and exact and (count > plain if name == RECOMPUTED else count == plain)
+    return outcome
 
 
 def _worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> None:
@@ -173,7 +228,10 @@ def _worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> 
                 equal = all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
                 reported = _reports_what_it_keeps(model, inputs[kind], name)
                 results[(rank, kind, name)] = replayed and equal and reported
-        results[(rank, "sp", "collectives named")] = _keeps_collectives_when_named(mesh, inputs["sp"])
+        for name, ok in _backward_communicates_as_without_remat(mesh, inputs["sp"]).items():
+            results[(rank, "sp communication", name)] = ok
+        for name, ok in _traced_region_communicates_as_without_remat(inputs["tp"]).items():
+            results[(rank, "traced communication", name)] = ok
     finally:
         dist.destroy_process_group()
 
@@ -191,7 +249,8 @@ def test_tensor_parallel_layers_equal_no_remat_on_every_rank_under_every_policy(
         mp.spawn(_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
         outcome = dict(results)
     expected = {(rank, kind, name): True for rank in range(WORLD) for kind in KINDS for name in POLICY_NAMES}
-    expected.update({(rank, "sp", "collectives named"): True for rank in range(WORLD)})
+    for kind in ("sp communication", "traced communication"):
+        expected.update({(rank, kind, name): True for rank in range(WORLD) for name in [*POLICY_NAMES, RECOMPUTED]})
     assert outcome == expected
 
 

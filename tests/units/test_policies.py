@@ -167,3 +167,33 @@ def test_a_factory_backward_reads_keeps_nothing(policy: Any) -> None:
     assert_close(torch.autograd.grad(remat(f, policy=policy)(x), x), torch.autograd.grad(f(x), x))
     per_sample = torch.func.vmap(torch.func.grad(remat(f, policy=policy)))(x.detach())
     assert_close(per_sample, torch.func.vmap(torch.func.grad(f))(x.detach()))
+
+
+_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+
+
+@pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.dots_saveable, P.dots_with_no_batch_dims_saveable,
+                                    P.save_only_these_names("a"), P.from_selective_checkpoint([torch.ops.aten.mm])])
+def test_a_collective_is_kept_unless_the_policy_names_collectives(policy: Any) -> None:
+    """Recomputing a collective communicates again in backward: its output is kept without
+    asking a policy that does not name collectives, eager and compiled alike; a policy that
+    names them decides."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from remat._partition.asking import answer_of, kept_unasked
+    from remat._partition.compiling import Decisions
+
+    gathered = torch.empty(4, 8, device="meta")
+    args = (gathered, 2, "0")
+
+    def asked(policy: Any) -> tuple[bool, bool]:
+        eager = kept_unasked(policy, _GATHER) or (policy is not None and answer_of(policy, _GATHER, args, {}, None))
+        compiled = Decisions(policy, "f")(None, _GATHER, *args) is CheckpointPolicy.MUST_SAVE
+        return bool(eager), compiled
+
+    assert not P.names_collectives(policy)
+    assert asked(policy) == (True, True)
+    recomputed = (policy or P.nothing_saveable) & ~P.save_ops(P.COLLECTIVES)
+    assert P.names_collectives(recomputed) and asked(recomputed) == (False, False)
+    assert asked((policy or P.nothing_saveable) | P.save_ops(P.COLLECTIVES)) == (True, True)
+    assert not kept_unasked(policy, torch.ops.aten.mm.default)  # only collectives
