@@ -6,9 +6,12 @@ import contextlib
 import warnings
 import weakref
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
+
+from .._running.replaying import replaying
+from .reports import measuring_replayed
 
 
 def saved_tensor_bytes(f: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
@@ -17,9 +20,10 @@ def saved_tensor_bytes(f: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     Counts what the graph of `f`'s outputs still holds when `f` returns (a backward run
     inside `f` frees what it saved, and that is not counted); views of one storage count
     once. Works for any function, with or without remat, so the two can be compared. The
-    outputs of `f` are dropped before returning. Code that installs saved-tensor hooks of
-    its own (torch.utils.checkpoint, a region remat replays) keeps what those hooks keep
-    out of sight: such a call warns that the count misses it.
+    outputs of `f` are dropped before returning. A region remat replays is counted by what
+    it reports keeping (its inputs, kept values and generator state). Other code that
+    installs saved-tensor hooks of its own (torch.utils.checkpoint) keeps what those hooks
+    keep out of sight: such a call warns that the count misses it.
     """
     held: list[weakref.ref[_Held]] = []
 
@@ -28,7 +32,8 @@ def saved_tensor_bytes(f: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
         held.append(weakref.ref(holder))
         return holder
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _Held.unpack), _hooks_entered() as inner:
+    with torch.autograd.graph.saved_tensors_hooks(pack, _Held.unpack), _hooks_entered() as inner, \
+            measuring_replayed() as replayed:
         outputs = f(*args, **kwargs)
     if inner:
         warnings.warn(
@@ -38,12 +43,15 @@ def saved_tensor_bytes(f: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
             UserWarning,
             stacklevel=2,
         )
-    storages: dict[tuple[Any, int], int] = {}
+    storages: dict[Hashable, int] = {}
     for ref in held:
         holder = ref()
         if holder is not None:  # autograd still holds it: the outputs' graph needs it
             storage = holder.tensor.untyped_storage()
             storages[(holder.tensor.device, storage.data_ptr())] = storage.nbytes()
+    for kept in replayed:
+        if kept.alive():  # the outputs' graph holds the call's backward
+            storages.update(kept.storages)
     del outputs
     return sum(storages.values())
 
@@ -58,7 +66,8 @@ def _hooks_entered() -> Iterator[set[str]]:
     original = hooks.__enter__
 
     def noting(self: Any) -> Any:
-        entered.add(type(self).__qualname__)
+        if not replaying():  # a replayed region's own hooks: what it keeps is counted apart
+            entered.add(type(self).__qualname__)
         return original(self)
 
     hooks.__enter__ = noting  # type: ignore[method-assign]

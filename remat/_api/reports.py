@@ -17,6 +17,7 @@ from .._partition.costs import nbytes_of
 if TYPE_CHECKING:
     from .._running.chaining import Runnable
     from .._running.executing import Plan
+    from .._running.replaying import KeptMemory, Observe
 
 
 class RegionTotals(NamedTuple):
@@ -215,6 +216,7 @@ def plan_report(plan: Plan) -> Report:
 
 
 _recorder: contextvars.ContextVar[Report | None] = contextvars.ContextVar("remat_recorder", default=None)
+_measured: contextvars.ContextVar[list[KeptMemory] | None] = contextvars.ContextVar("remat_measured", default=None)
 
 
 def record(runnable: Runnable) -> None:
@@ -234,24 +236,41 @@ def reporting() -> bool:
 
 
 @contextlib.contextmanager
-def observing_replay(region: str) -> Iterator[Callable[[list[Residual], list[Recompute]], None] | None]:
+def observing_replay(region: str) -> Iterator[Observe | None]:
     """For a region about to run replayed: what to tell what it keeps and recomputes, or
-    None unless a report is being made. The regions it calls record nothing while it runs:
-    they run again in its recompute, and its own record counts their ops."""
-    sink = _recorder.get()
-    if sink is None:
+    None unless a report is being made or kept memory measured. The regions it calls
+    record nothing while it runs: they run again in its recompute, and its own record
+    counts their ops."""
+    sink, measured = _recorder.get(), _measured.get()
+    if sink is None and measured is None:
         yield None
         return
 
-    def observe(residuals: list[Residual], recomputes: list[Recompute]) -> None:
-        sink.replayed.add(region)
-        sink.add(residuals, recomputes)
+    def observe(residuals: list[Residual], recomputes: list[Recompute], memory: KeptMemory) -> None:
+        if sink is not None:
+            sink.replayed.add(region)
+            sink.add(residuals, recomputes)
+        if measured is not None:
+            measured.append(memory)
 
-    token = _recorder.set(None)
+    tokens = _recorder.set(None), _measured.set(None)
     try:
         yield observe
     finally:
-        _recorder.reset(token)
+        _recorder.reset(tokens[0])
+        _measured.reset(tokens[1])
+
+
+@contextlib.contextmanager
+def measuring_replayed() -> Iterator[list[KeptMemory]]:
+    """While open, the memory each replayed region call keeps (`saved_tensor_bytes` counts
+    it: checkpoint's saved-tensor hooks hide it from autograd's)."""
+    kept: list[KeptMemory] = []
+    token = _measured.set(kept)
+    try:
+        yield kept
+    finally:
+        _measured.reset(token)
 
 
 @contextlib.contextmanager

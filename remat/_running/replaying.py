@@ -29,7 +29,8 @@ import functools
 import inspect
 import types
 import weakref
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterator
 
 import optree
 import torch
@@ -56,7 +57,21 @@ def replaying() -> bool:
     return _REPLAYING.get()
 
 
-Observe = Callable[[list[Residual], list[Recompute]], None]  # told what one replayed call keeps and recomputes
+@dataclass(frozen=True)
+class KeptMemory:
+    """The memory one replayed call keeps for backward, by where it is (device and
+    address; a generator state by its place in the call) with its bytes, as
+    `saved_tensor_bytes` counts storages. It is kept while the call's backward graph is."""
+
+    storages: dict[Hashable, int]
+    graph: weakref.ref[Any]  # the call's recompute context, which its backward graph holds
+
+    def alive(self) -> bool:
+        return self.graph() is not None
+
+
+# told what one replayed call keeps, what its backward recomputes, and the memory it keeps
+Observe = Callable[[list[Residual], list[Recompute], KeptMemory], None]
 
 
 def replay(
@@ -102,20 +117,22 @@ def _contexts(
     region: str,
     fn: Callable[..., Any],
     roots: list[tuple[str, Any]],
-    observed: Callable[[_ReplayDecisions | None], _Observed] | None,
+    observed: Callable[[_ReplayDecisions | None, weakref.ref[Any]], _Observed] | None,
 ) -> tuple[Any, Any]:
     """checkpoint's (forward, recompute) contexts for one call of the region."""
     python = _PythonState(fn, roots)
     asked = nothing_saveable if policy is None or isinstance(policy, MemoryBudget) else policy  # the least it can
     decisions = _ReplayDecisions(asked, region) if replays_op_by_op(policy) else None
     forward, recompute = _Reentrant(python.forward), _Reentrant(python.recompute)
-    watching = () if observed is None else (observed(decisions),)  # innermost: it sees each op first
     writes = _ExternalWrites(region, decisions)
-    if decisions is None:
-        return _Entered(forward, writes, *watching), _Entered(recompute, _Rewound(writes))
-    caching, cached = selective_checkpoint_contexts(decisions)
-    decisions.caching = caching
-    return _Entered(forward, caching, writes, *watching), _Entered(recompute, _Rewound(writes), cached)
+    cached: tuple[Any, ...] = ()
+    if decisions is not None:
+        decisions.caching, cache_reader = selective_checkpoint_contexts(decisions)
+        cached = (cache_reader,)
+    recomputing = _Entered(recompute, _Rewound(writes), *cached)
+    caching = () if decisions is None else (decisions.caching,)
+    watching = () if observed is None else (observed(decisions, weakref.ref(recomputing)),)  # innermost: sees ops first
+    return _Entered(forward, *caching, writes, *watching), recomputing
 
 
 class _Entered:
@@ -224,9 +241,11 @@ class _Observed(TorchDispatchMode):
         rng: list[torch.Tensor],
         observe: Observe,
         decisions: _ReplayDecisions | None,
+        graph: weakref.ref[Any],
     ) -> None:
         super().__init__()
         self.region, self.names, self.rng, self.observe, self.decisions = region, names, rng, observe, decisions
+        self.graph = graph
         self.made: set[tuple[torch.device, int]] = set()
         self.reads: dict[tuple[torch.device, int], torch.Tensor] = {}
         # (op, its outputs, the user's line, FLOPs, its cache entry, the name a named copy gives)
@@ -252,10 +271,16 @@ class _Observed(TorchDispatchMode):
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         if exc[0] is None:
-            self.observe(self._residuals(), self._recomputes())
+            residuals, memory = self._residuals()
+            self.observe(residuals, self._recomputes(), KeptMemory(memory, self.graph))
 
-    def _residuals(self) -> list[Residual]:
+    def _residuals(self) -> tuple[list[Residual], dict[Hashable, int]]:
+        """What the call keeps, and the memory that holds it."""
+        memory: dict[Hashable, int] = {}
+
         def residual(t: torch.Tensor, kind: str, op: Any, name: str | None, source: str | None) -> Residual:
+            key = _memory_of(t) if kind != "rng" else None  # checkpoint's own copy of a state is elsewhere
+            memory[key or (id(self.graph), len(memory))] = t.untyped_storage().nbytes() if key else t.nbytes
             return Residual(tuple(t.shape), t.dtype, nbytes_of(tuple(t.shape), t.dtype), kind, op, name, source, self.region)
 
         kept = [residual(t, "input", None, None, self.names.get(key)) for key, t in self.reads.items()]
@@ -274,7 +299,7 @@ class _Observed(TorchDispatchMode):
                 counted.add(key)
                 kept.append(residual(t, "intermediate", func, name, source))
         kept.extend(residual(state, "rng", None, None, "generator state") for state in self.rng)
-        return kept
+        return kept, memory
 
     def _recomputes(self) -> list[Recompute]:
         return [

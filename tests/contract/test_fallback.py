@@ -17,7 +17,7 @@ import torch.nn.utils.prune
 from support.kept_memory import bytes_kept_for_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat import RematFallbackWarning, RematTraceError, checkpoint_name, remat, report
+from remat import RematFallbackWarning, RematTraceError, checkpoint_name, compare, remat, report, saved_tensor_bytes
 from remat import policies as P
 
 from conftest import BUILT_IN_POLICIES
@@ -174,6 +174,36 @@ def test_a_report_says_what_an_untraceable_region_keeps_as_its_backward_graph_ho
     assert f"{region.region} (replayed)" in str(found)
     torch.manual_seed(0)
     _assert_bitwise(_grads(region, torch.float64), (torch.manual_seed(0), _grads(FUNCTIONS[name], torch.float64))[1])
+
+
+@pytest.mark.parametrize(("name", "policy_name"), _REPORTED)
+def test_saved_tensor_bytes_and_compare_count_what_replayed_regions_keep(name: str, policy_name: str) -> None:
+    """What a function with replayed regions keeps for backward, as `saved_tensor_bytes` and
+    `compare` count it: the memory its forward made that the backward graph holds (the
+    garbage collector's count), the inputs its regions read (each memory once) and
+    checkpoint's generator state per call, without a warning; a call whose output is
+    dropped keeps nothing."""
+    region = remat(FUNCTIONS[name], policy=POLICIES[policy_name])
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def twice(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return region(x, w) + region(x * 2, w).sin()
+
+    def dropped(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        region(x, w)
+        return x.sin().sum()
+
+    with pytest.warns(RematFallbackWarning):
+        region(x, w)
+    state = torch.get_rng_state().numel()
+    expected = bytes_kept_for_backward(lambda: twice(x, w), runs=3) + x.nbytes + w.nbytes + 2 * state
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing goes uncounted
+        assert saved_tensor_bytes(twice, x, w) == expected
+        assert saved_tensor_bytes(dropped, x, w) == x.nbytes
+        rows = compare(twice, x, w, policies=[POLICIES[policy_name]], baseline=False)
+    assert rows[0].kept_bytes == expected
 
 
 class _Block(torch.nn.Module):
