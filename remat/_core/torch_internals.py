@@ -143,10 +143,15 @@ def is_custom_op_autograd(function: type) -> bool:
     return function.__module__ == "torch._library.autograd" and function.__name__.startswith("GeneratedBackwardFor_")
 
 
+def is_transform_wrapped(t: torch.Tensor) -> bool:
+    """Whether `t` is a torch.func wrapper (grad's or vmap's) around another tensor (torch 2.13)."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.is_batchedtensor(t)
+
+
 def transform_levels(t: torch.Tensor) -> list[torch.Tensor]:
     """`t`, then each tensor under its torch.func wrappers, down to the plain tensor (torch 2.13)."""
     levels = [t]
-    while torch._C._functorch.is_functorch_wrapped_tensor(t) or torch._C._functorch.is_batchedtensor(t):
+    while is_transform_wrapped(t):
         t = torch._C._functorch.get_unwrapped(t)
         levels.append(t)
     return levels

@@ -28,6 +28,7 @@ from .._core.sources import is_installed_code, is_user_class
 from .._core.torch_internals import (
     autocast_state,
     is_expanded_weight,
+    is_transform_wrapped,
     nested_gradients,
     transform_levels,
     transforms_active,
@@ -511,6 +512,10 @@ def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor) -> Non
     if type(t) in _PLAIN_TENSORS:  # the common case, asked per argument and captured tensor on every call
         if t.layout is not torch.strided:
             _refuse_layout(fn, path, t)
+        if is_transform_wrapped(t):  # under torch.func a DTensor is a plain-looking wrapper: look beneath
+            inner = transform_levels(t)[-1]
+            if type(inner) not in _PLAIN_TENSORS:
+                _refuse_unstrided(fn, path, inner)
         return
     if is_expanded_weight(t):  # it answers no attribute read (`.layout` raises)
         raise RematTraceError(
@@ -521,7 +526,8 @@ def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor) -> Non
     if type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
         raise RematTraceError(
             f"remat({_qualname(fn)}): {path} is a {type(t).__name__}, a tensor subclass with its own dispatch "
-            "(such as DTensor for tensor parallelism), and remat traces plain tensors only."
+            "(such as DTensor for tensor parallelism), and remat traces plain tensors only. Without a torch.func "
+            "transform, such a region runs as torch.utils.checkpoint runs it; under one it cannot run."
         )
     if t.layout != torch.strided:
         _refuse_layout(fn, path, t)

@@ -184,6 +184,25 @@ def _traced_region_communicates_as_without_remat(x: torch.Tensor) -> dict[str, b
 RECOMPUTED = "collectives named, recomputed"
 
 
+def _refused_under_a_transform(mesh: Any, x: torch.Tensor) -> bool:
+    """Under torch.grad a DTensor parameter is hidden in torch.func's plain-looking wrapper;
+    remat looks beneath it and refuses, naming the parameter (torch's own error without
+    remat: DTensor's from_local has no setup_context)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import remat
+
+    layer = _Block()
+    parallelize_module(layer, mesh, _tp_plan("tp"))  # type: ignore[arg-type]
+    region = remat.remat(layer)
+    params = dict(layer.named_parameters())
+    try:
+        torch.func.grad(lambda p: torch.func.functional_call(region, p, (x,)).sum())(params)
+    except remat.RematTraceError as error:
+        return "self.up.weight is a DTensor" in str(error) and "under one it cannot run" in str(error)
+    return False
+
+
 def _communicates_as_plain(run: Any, policies: dict[str, Any]) -> dict[str, bool]:
     """For each policy: gradients as without remat, and backward's collectives as many as
     without remat (more under the one that names collectives to recompute); `run` says
@@ -228,6 +247,7 @@ def _worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> 
                 equal = all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
                 reported = _reports_what_it_keeps(model, inputs[kind], name)
                 results[(rank, kind, name)] = replayed and equal and reported
+        results[(rank, "tp", "refused under grad")] = _refused_under_a_transform(mesh, inputs["tp"])
         for name, ok in _backward_communicates_as_without_remat(mesh, inputs["sp"]).items():
             results[(rank, "sp communication", name)] = ok
         for name, ok in _traced_region_communicates_as_without_remat(inputs["tp"]).items():
@@ -249,6 +269,7 @@ def test_tensor_parallel_layers_equal_no_remat_on_every_rank_under_every_policy(
         mp.spawn(_worker, args=(_free_port(), results), nprocs=WORLD, join=True)
         outcome = dict(results)
     expected = {(rank, kind, name): True for rank in range(WORLD) for kind in KINDS for name in POLICY_NAMES}
+    expected.update({(rank, "tp", "refused under grad"): True for rank in range(WORLD)})
     for kind in ("sp communication", "traced communication"):
         expected.update({(rank, kind, name): True for rank in range(WORLD) for name in [*POLICY_NAMES, RECOMPUTED]})
     assert outcome == expected
