@@ -125,12 +125,12 @@ def _contexts(
     decisions = _ReplayDecisions(asked, region) if replays_op_by_op(policy) else None
     forward, recompute = _Reentrant(python.forward), _Reentrant(python.recompute)
     writes = _ExternalWrites(region, decisions)
-    cached: tuple[Any, ...] = ()
+    caching: tuple[Any, ...] = ()  # selective checkpointing's cache: filled in forward, read in the recompute
+    reading: tuple[Any, ...] = ()
     if decisions is not None:
-        decisions.caching, cache_reader = selective_checkpoint_contexts(decisions)
-        cached = (cache_reader,)
-    recomputing = _Entered(recompute, _Rewound(writes), *cached)
-    caching = () if decisions is None else (decisions.caching,)
+        decisions.caching, cached = selective_checkpoint_contexts(decisions)
+        caching, reading = (decisions.caching,), (cached,)
+    recomputing = _Entered(recompute, _Rewound(writes), *reading)
     watching = () if observed is None else (observed(decisions, weakref.ref(recomputing)),)  # innermost: sees ops first
     return _Entered(forward, *caching, writes, *watching), recomputing
 
@@ -541,5 +541,5 @@ def _fsdp_managed(modules: list[torch.nn.Module]) -> set[torch.nn.Module]:
 def replay_note(policy: Callable[..., Any] | None) -> str:
     """What a replayed region does under `policy` that a traced one does otherwise."""
     if isinstance(policy, MemoryBudget):
-        return f" Under {policy!r} it recomputes everything (a budget chooses what to keep by tracing)."
+        return f" Under {policy!r} it recomputes everything but collectives (a budget chooses what to keep by tracing)."
     return " A value the policy offloads stays on its device." if policy is not None else ""
