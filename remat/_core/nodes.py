@@ -68,10 +68,32 @@ _OVERWRITING = frozenset({
 })
 
 
+# c10d's collectives (torch.distributed.all_reduce and the like, process-group calls) that
+# write their first argument (a tensor or a list of them) although their schemas do not
+# say so (torch 2.13); the second set only fill an output buffer, not reading what it held.
+_C10D_WRITING = frozenset({
+    "allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_", "allgather_", "_allgather_base_",
+    "allgather_coalesced_", "allgather_into_tensor_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_", "alltoall_", "alltoall_base_", "gather_", "scatter_", "recv_",
+    "recv_any_source_",
+})
+_C10D_FILLING = _C10D_WRITING - {"allreduce_", "allreduce_coalesced_", "broadcast_", "reduce_"}
+
+
+def _c10d_name(op: Any) -> str | None:
+    """The name of a c10d collective, or None for any other op."""
+    return op.__name__.split(".")[0] if getattr(op, "namespace", None) == "c10d" else None
+
+
+def writes_in_place(op: OpOverload) -> bool:
+    """Whether `op` writes memory it was given: as its schema says, or a c10d collective."""
+    return op._schema.is_mutable or _c10d_name(op) in _C10D_WRITING
+
+
 def overwrites(op: OpOverload) -> bool:
     """Whether `op` writes without reading what the memory held: a copy, a fill, or only
     `out=` arguments (an all-gather's output buffer)."""
-    if op in _OVERWRITING:
+    if op in _OVERWRITING or _c10d_name(op) in _C10D_FILLING:
         return True
     written = [a for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     return bool(written) and all(a.kwarg_only and a.name.startswith("out") for a in written)
@@ -80,10 +102,12 @@ def overwrites(op: OpOverload) -> bool:
 def written_values(op: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> list[Any]:
     """What a call of `op` writes in place (fx nodes or tensors, None for an absent
     optional): the arguments its schema marks written, and batch norm's running
-    statistics in training, which its schema does not mark."""
+    statistics in training and c10d collectives' tensors, which their schemas do not mark."""
     undeclared = _UNDECLARED_MUTATIONS.get(op)
     if undeclared is not None and args[5]:  # training: updates the statistics
         return [args[i] for i in undeclared]
+    if _c10d_name(op) in _C10D_WRITING:
+        return [args[0]]
     return [args[i] if i < len(args) else kwargs.get(name) for i, name in written_arguments(op)]
 
 

@@ -40,7 +40,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, get_device_stat
 from remat.policies import MemoryBudget, nothing_saveable
 
 from .._core.errors import RematError
-from .._core.nodes import overwrites, written_values
+from .._core.nodes import overwrites, writes_in_place, written_values
 from .._core.residuals import Recompute, Residual
 from .._core.torch_internals import SacEntry, inner_tensors, local_tensor, selective_checkpoint_contexts
 from .._partition.compiling import NAMED_COPY, Decisions
@@ -185,7 +185,7 @@ class _ReplayDecisions(Decisions):
         self.names: dict[tuple[Any, int], str] = {}  # (cache key, index) of a call kept by the name of its output
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op._schema.is_mutable:
+        if writes_in_place(op):
             return CheckpointPolicy.PREFER_RECOMPUTE
         out = ctx.op_output
         if op is NAMED_COPY:

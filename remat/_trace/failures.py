@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from .._core.errors import RematError, RematTraceError
+from .._core.nodes import source_line
 from .._core.sources import is_machinery_file
 from .._core.torch_internals import (
     DataDependentOutputException,
@@ -189,3 +190,27 @@ def backward_failure(fn_name: str, error: BaseException, blamed: Any, source: st
         f"remat could not differentiate `{fn_name}`: {culprit} failed while traced without data: "
         f"{str(error).splitlines()[0] if str(error) else type(error).__name__}. Call that op outside the remat'd function."
     )
+
+
+def refuse_opaque_objects(gm: torch.fx.GraphModule, fn_name: str) -> None:
+    """Refuse (replayably) a graph whose ops take a torch.classes object, such as the
+    process group `torch.distributed.all_reduce` passes to its op: a graph remat replays
+    cannot hold one (torch fails comparing it while running the graph)."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        held = [getattr(gm, str(a.target), None) for a in node.all_input_nodes if a.op == "get_attr"]
+        opaque = [value for value in held if _is_opaque(value)]
+        if opaque:
+            where = source_line(node) or "an unknown line"
+            raise RematTraceError(
+                f"remat could not trace `{fn_name}` at {where}: `{node.target}` takes a "
+                f"{type(opaque[0]).__name__} (a process group or another torch.classes "
+                "object), which a traced graph cannot hold. Functional collectives "
+                "(torch.distributed._functional_collectives: all_reduce, all_gather_tensor, ...) trace, and "
+                "their outputs are kept for backward."
+            )
+
+
+def _is_opaque(value: Any) -> bool:
+    return isinstance(value, torch.ScriptObject) or type(value).__name__ == "FakeScriptObject"

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx
 
+from .failures import refuse_opaque_objects
 from .mutations import functionalize_remaining_mutations
 from .passes import (
     autocast_casts_of_leaves_cached,
@@ -33,7 +34,8 @@ def stage_one_passes(
     """Stage 1's traced graph, rewritten: what must be read before functionalization (memory
     order of random fills, autocast's cast cache, grad-free values, inner backwards), then
     `functionalize`, then what functionalization leaves (remaining in-place writes, rrelu's
-    noise, `random.from`). Returns the new graph."""
+    noise, `random.from`). Returns the new graph; refuses one that holds an opaque object."""
+    refuse_opaque_objects(gm, fn_name)
     random_fills_in_memory_order(gm)
     autocast_casts_of_leaves_cached(gm, leaves_needing_grad)
     grad_free_values_as_constants(gm)

@@ -184,6 +184,44 @@ def _traced_region_communicates_as_without_remat(x: torch.Tensor) -> dict[str, b
 RECOMPUTED = "collectives named, recomputed"
 
 
+def _process_group_calls_replay_as_without_remat(x: torch.Tensor) -> dict[str, bool]:
+    """`dist.all_reduce` into a value the policy keeps (a matmul's output) and
+    `dist.all_gather_into_tensor` into a buffer: process-group calls a graph cannot hold,
+    so the region runs replayed; their writes, which their ops' schemas do not declare, are
+    seen (the kept matmul output is recomputed, not reduced twice). Gradients bitwise as
+    without remat under every built-in policy; under torch.func.grad, refused naming the op."""
+    import remat
+
+    from conftest import BUILT_IN_POLICIES
+
+    w = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+
+    def communicating(x: torch.Tensor) -> torch.Tensor:
+        h = (x @ w).detach()
+        dist.all_reduce(h)
+        gathered = torch.empty(WORLD * x.shape[0], 8, dtype=x.dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's deprecation of the name
+            dist.all_gather_into_tensor(gathered, h * 2)
+        return (h.sin() * x).sum() + (gathered.cos() @ w).sum()
+
+    def gradient(fn: Any) -> torch.Tensor:
+        x_ = x.detach().requires_grad_()
+        return torch.autograd.grad(fn(x_), x_)[0]
+
+    expected = gradient(communicating)
+    outcome = {}
+    for name, policy in BUILT_IN_POLICIES.items():
+        region = remat.remat(communicating, policy=policy)
+        outcome[name] = torch.equal(gradient(region), expected) and region.cache_info()["replays"] == 1
+    try:
+        torch.func.grad(remat.remat(communicating))(x)
+        outcome["refused under grad"] = False
+    except remat.RematTraceError as error:
+        outcome["refused under grad"] = "c10d.allreduce_" in str(error)
+    return outcome
+
+
 def _refused_under_a_transform(mesh: Any, x: torch.Tensor) -> bool:
     """Under torch.grad a DTensor parameter is hidden in torch.func's plain-looking wrapper;
     remat looks beneath it and refuses, naming the parameter (torch's own error without
@@ -252,6 +290,8 @@ def _worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> 
             results[(rank, "sp communication", name)] = ok
         for name, ok in _traced_region_communicates_as_without_remat(inputs["tp"]).items():
             results[(rank, "traced communication", name)] = ok
+        for name, ok in _process_group_calls_replay_as_without_remat(inputs["tp"]).items():
+            results[(rank, "process group calls", name)] = ok
     finally:
         dist.destroy_process_group()
 
@@ -272,6 +312,8 @@ def test_tensor_parallel_layers_equal_no_remat_on_every_rank_under_every_policy(
     expected.update({(rank, "tp", "refused under grad"): True for rank in range(WORLD)})
     for kind in ("sp communication", "traced communication"):
         expected.update({(rank, kind, name): True for rank in range(WORLD) for name in [*POLICY_NAMES, RECOMPUTED]})
+    calls = [*POLICY_NAMES, "refused under grad"]
+    expected.update({(rank, "process group calls", name): True for rank in range(WORLD) for name in calls})
     assert outcome == expected
 
 
