@@ -141,12 +141,19 @@ def test_under_a_transform_or_with_fallback_off_an_untraceable_region_raises(nam
         remat(f, fallback=False)(x, w.requires_grad_())
 
 
-# every function and every policy in the default run, the whole product under `product`
-_REPORTED = [
-    pytest.param(name, policy_name, id=f"{name}-{policy_name}", marks=() if (i + j) % 3 == 0 else pytest.mark.product)
-    for i, name in enumerate(FUNCTIONS)
-    for j, policy_name in enumerate(POLICIES)
-]
+def _cover(every: int) -> list[Any]:
+    """(function, policy) cases: every function and every policy in the default run (one
+    case in `every` along each diagonal), the whole product under `product`."""
+    return [
+        pytest.param(
+            name, policy_name, id=f"{name}-{policy_name}", marks=() if (i + j) % every == 0 else pytest.mark.product
+        )
+        for i, name in enumerate(FUNCTIONS)
+        for j, policy_name in enumerate(POLICIES)
+    ]
+
+
+_REPORTED = _cover(3)
 
 
 @pytest.mark.parametrize(("name", "policy_name"), _REPORTED)
@@ -176,12 +183,7 @@ def test_a_report_says_what_an_untraceable_region_keeps_as_its_backward_graph_ho
     _assert_bitwise(_grads(region, torch.float64), (torch.manual_seed(0), _grads(FUNCTIONS[name], torch.float64))[1])
 
 
-# every function and every policy once in the default run (the garbage collector's count is slow)
-_MEASURED = [
-    pytest.param(name, policy_name, id=f"{name}-{policy_name}", marks=() if (i + j) % 5 == 0 else pytest.mark.product)
-    for i, name in enumerate(FUNCTIONS)
-    for j, policy_name in enumerate(POLICIES)
-]
+_MEASURED = _cover(5)  # each function and policy once by default: the garbage collector's count is slow
 
 
 @pytest.mark.parametrize(("name", "policy_name"), _MEASURED)
