@@ -83,13 +83,18 @@ __all__ = [
 class References:
     """What a policy expects to find in a traced function, so remat can warn when it does
     not: each entry of `ops` is a set of op names of which at least one should occur;
-    `names` are checkpoint_names that should occur."""
+    `names` are checkpoint_names that should occur. `asks_about_collectives`: the policy
+    decides about collectives without naming them (torch's selective-checkpoint policies,
+    which are asked about every op)."""
 
     ops: tuple[frozenset[str], ...] = ()
     names: frozenset[str] = frozenset()
+    asks_about_collectives: bool = False
 
     def __or__(self, other: References) -> References:
-        return References(self.ops + other.ops, self.names | other.names)
+        return References(
+            self.ops + other.ops, self.names | other.names, self.asks_about_collectives or other.asks_about_collectives
+        )
 
 
 def references(policy: Any) -> References:
@@ -100,10 +105,11 @@ def references(policy: Any) -> References:
 
 def names_collectives(policy: Any) -> bool:
     """Whether `policy` decides about collectives. Only a policy that names one
-    (``save_ops(COLLECTIVES)``, ``~save_ops(COLLECTIVES)``, ``offload_ops`` of one) is asked
-    about them; under any other remat keeps their outputs, so that backward communicates
-    no more than without remat."""
-    return any(group & COLLECTIVES for group in references(policy).ops)
+    (``save_ops(COLLECTIVES)``, ``~save_ops(COLLECTIVES)``, ``offload_ops`` of one) or one
+    made by ``from_selective_checkpoint(policy_fn)`` is asked about them; under any other
+    remat keeps their outputs, so that backward communicates no more than without remat."""
+    refs = references(policy)
+    return refs.asks_about_collectives or any(group & COLLECTIVES for group in refs.ops)
 
 
 def _as_policy(value: Any) -> Policy:
@@ -357,7 +363,9 @@ class MemoryBudget(PolicyBase):
 @dataclass(frozen=True, repr=False)
 class _SelectiveCheckpoint(PolicyBase):
     """torch's selective-checkpoint `policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy`
-    asked as a remat policy: MUST_SAVE and PREFER_SAVE keep, the two RECOMPUTEs do not."""
+    asked as a remat policy: MUST_SAVE and PREFER_SAVE keep, the two RECOMPUTEs do not. A
+    collective is kept unless the answer is MUST_RECOMPUTE, as torch.compile's partitioner
+    decides (it saves collectives outside a region that must recompute them)."""
 
     policy_fn: Callable[..., Any]
 
@@ -372,17 +380,23 @@ class _SelectiveCheckpoint(PolicyBase):
                 "policy_fn returns a torch.utils.checkpoint.CheckpointPolicy (MUST_SAVE, PREFER_SAVE, "
                 "MUST_RECOMPUTE or PREFER_RECOMPUTE)."
             )
+        if op_key(op) in COLLECTIVES:
+            return answer is not CheckpointPolicy.MUST_RECOMPUTE
         return answer in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
     def __repr__(self) -> str:
         return f"from_selective_checkpoint({getattr(self.policy_fn, '__qualname__', self.policy_fn)!r})"
+
+    def references(self) -> References:
+        return References(asks_about_collectives=True)
 
 
 def from_selective_checkpoint(policy_fn_or_ops: Callable[..., Any] | Iterable[OpLike]) -> Policy:
     """A remat policy from what torch's `create_selective_checkpoint_contexts` takes.
 
     ``policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy``: kept where it answers
-    MUST_SAVE or PREFER_SAVE. remat asks once per op when it plans the region, never in the
+    MUST_SAVE or PREFER_SAVE; a collective's output is kept unless it answers MUST_RECOMPUTE
+    (torch.compile's rule). remat asks once per op when it plans the region, never in the
     recompute, so ``ctx.is_recompute`` is always False. A list of ops: keep their outputs
     (``save_ops``). The policy sees data-free meta tensors, as every remat policy does.
     """

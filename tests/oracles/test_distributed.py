@@ -116,14 +116,13 @@ class _Communication(TorchDispatchMode):
 def _backward_communicates_as_without_remat(mesh: Any, x: torch.Tensor) -> dict[str, bool]:
     """Sequence parallel, replayed: under every built-in policy (none names collectives)
     backward communicates as much as without remat and no more, the collectives' outputs
-    kept; a policy that names them to recompute (`& ~save_ops(COLLECTIVES)`) gathers the
-    sequence again. Gradients as without remat either way."""
+    kept, and under a torch policy_fn that prefers recomputing; a policy that names them to
+    recompute (`& ~save_ops(COLLECTIVES)`, a policy_fn answering MUST_RECOMPUTE) gathers
+    the sequence again. Gradients as without remat either way."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     import remat
     from remat import policies as P
-
-    from conftest import BUILT_IN_POLICIES
 
     def backward_collectives(name: str, policy: Any) -> tuple[int, list[torch.Tensor], bool]:
         torch.manual_seed(0)
@@ -141,8 +140,7 @@ def _backward_communicates_as_without_remat(mesh: Any, x: torch.Tensor) -> dict[
             h.pow(2).sum().backward()
         return counting.collectives, [p.grad.to_local() for p in layers.parameters()], True  # type: ignore[union-attr]
 
-    recomputing = P.dots_saveable & ~P.save_ops(P.COLLECTIVES)
-    return _communicates_as_plain(backward_collectives, {**BUILT_IN_POLICIES, RECOMPUTED: recomputing})
+    return _communicates_as_plain(backward_collectives, _communication_policies(P.dots_saveable))
 
 
 def _traced_region_communicates_as_without_remat(x: torch.Tensor) -> dict[str, bool]:
@@ -154,8 +152,6 @@ def _traced_region_communicates_as_without_remat(x: torch.Tensor) -> dict[str, b
 
     import remat
     from remat import policies as P
-
-    from conftest import BUILT_IN_POLICIES
 
     w = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
 
@@ -175,13 +171,43 @@ def _traced_region_communicates_as_without_remat(x: torch.Tensor) -> dict[str, b
         residuals = remat.report(fn, *inputs).residuals
         kept = any(r.op is torch.ops._c10d_functional.wait_tensor.default for r in residuals)
         traced = fn.cache_info()["replays"] == 0  # type: ignore[attr-defined]
-        return counting.collectives, grads, traced and kept == (name != RECOMPUTED)
+        return counting.collectives, grads, traced and kept == (name not in RECOMPUTING)
 
-    recomputing = P.nothing_saveable & ~P.save_ops(P.COLLECTIVES)
-    return _communicates_as_plain(backward_collectives, {**BUILT_IN_POLICIES, RECOMPUTED: recomputing})
+    return _communicates_as_plain(backward_collectives, _communication_policies(P.nothing_saveable))
 
 
 RECOMPUTED = "collectives named, recomputed"
+TORCH_PREFERS = "torch policy_fn, PREFER_RECOMPUTE"
+TORCH_MUST = "torch policy_fn, MUST_RECOMPUTE"
+RECOMPUTING = {RECOMPUTED, TORCH_MUST}
+
+
+def _prefer_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _must_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _communication_policies(base: Any) -> dict[str, Any]:
+    """The built-in policies, `base` naming collectives to recompute, and torch
+    selective-checkpoint policies converted: one that prefers to recompute every op (a
+    collective is kept, as torch.compile's partitioner keeps it) and one that must."""
+    from remat import policies as P
+
+    from conftest import BUILT_IN_POLICIES
+
+    return {
+        **BUILT_IN_POLICIES,
+        RECOMPUTED: base & ~P.save_ops(P.COLLECTIVES),
+        TORCH_PREFERS: P.from_selective_checkpoint(_prefer_recompute),
+        TORCH_MUST: P.from_selective_checkpoint(_must_recompute),
+    }
 
 
 def _process_group_calls_replay_as_without_remat(x: torch.Tensor) -> dict[str, bool]:
@@ -243,14 +269,14 @@ def _refused_under_a_transform(mesh: Any, x: torch.Tensor) -> bool:
 
 def _communicates_as_plain(run: Any, policies: dict[str, Any]) -> dict[str, bool]:
     """For each policy: gradients as without remat, and backward's collectives as many as
-    without remat (more under the one that names collectives to recompute); `run` says
+    without remat (more under those that recompute collectives); `run` says
     whether what it saw is otherwise as expected."""
     plain, expected, _ = run("plain", None)
     outcome = {}
     for name, policy in policies.items():
         count, grads, consistent = run(name, policy)
         exact = all(torch.equal(a, e) for a, e in zip(grads, expected, strict=True))
-        outcome[name] = consistent and exact and (count > plain if name == RECOMPUTED else count == plain)
+        outcome[name] = consistent and exact and (count > plain if name in RECOMPUTING else count == plain)
     return outcome
 
 
@@ -311,7 +337,8 @@ def test_tensor_parallel_layers_equal_no_remat_on_every_rank_under_every_policy(
     expected = {(rank, kind, name): True for rank in range(WORLD) for kind in KINDS for name in POLICY_NAMES}
     expected.update({(rank, "tp", "refused under grad"): True for rank in range(WORLD)})
     for kind in ("sp communication", "traced communication"):
-        expected.update({(rank, kind, name): True for rank in range(WORLD) for name in [*POLICY_NAMES, RECOMPUTED]})
+        names = [*POLICY_NAMES, RECOMPUTED, TORCH_PREFERS, TORCH_MUST]
+        expected.update({(rank, kind, name): True for rank in range(WORLD) for name in names})
     calls = [*POLICY_NAMES, "refused under grad"]
     expected.update({(rank, "process group calls", name): True for rank in range(WORLD) for name in calls})
     assert outcome == expected

@@ -178,22 +178,39 @@ def test_a_collective_is_kept_unless_the_policy_names_collectives(policy: Any) -
     """Recomputing a collective communicates again in backward: its output is kept without
     asking a policy that does not name collectives, eager and compiled alike; a policy that
     names them decides."""
+    from remat._partition.asking import kept_unasked
+
+    assert not P.names_collectives(policy)
+    assert _kept(policy) == (True, True)
+    recomputed = (policy or P.nothing_saveable) & ~P.save_ops(P.COLLECTIVES)
+    assert P.names_collectives(recomputed) and _kept(recomputed) == (False, False)
+    assert _kept((policy or P.nothing_saveable) | P.save_ops(P.COLLECTIVES)) == (True, True)
+    assert not kept_unasked(policy, torch.ops.aten.mm.default)  # only collectives
+
+
+def _kept(policy: Any, op: Any = _GATHER) -> tuple[bool, bool]:
+    """Whether `op`'s output may be kept under `policy`: (eager, compiled)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     from remat._partition.asking import answer_of, kept_unasked
     from remat._partition.compiling import Decisions
 
-    gathered = torch.empty(4, 8, device="meta")
-    args = (gathered, 2, "0")
+    args = (torch.empty(4, 8, device="meta"), 2, "0") if op is _GATHER else (torch.empty(4, 8, device="meta"),) * 2
+    eager = kept_unasked(policy, op) or (policy is not None and answer_of(policy, op, args, {}, None))
+    compiled = Decisions(policy, "f")(None, op, *args) is CheckpointPolicy.MUST_SAVE
+    return bool(eager), compiled
 
-    def asked(policy: Any) -> tuple[bool, bool]:
-        eager = kept_unasked(policy, _GATHER) or (policy is not None and answer_of(policy, _GATHER, args, {}, None))
-        compiled = Decisions(policy, "f")(None, _GATHER, *args) is CheckpointPolicy.MUST_SAVE
-        return bool(eager), compiled
 
-    assert not P.names_collectives(policy)
-    assert asked(policy) == (True, True)
-    recomputed = (policy or P.nothing_saveable) & ~P.save_ops(P.COLLECTIVES)
-    assert P.names_collectives(recomputed) and asked(recomputed) == (False, False)
-    assert asked((policy or P.nothing_saveable) | P.save_ops(P.COLLECTIVES)) == (True, True)
-    assert not kept_unasked(policy, torch.ops.aten.mm.default)  # only collectives
+@pytest.mark.parametrize("answer", ["MUST_SAVE", "PREFER_SAVE", "PREFER_RECOMPUTE", "MUST_RECOMPUTE"])
+def test_a_torch_policy_fn_keeps_a_collective_unless_it_must_recompute_it(answer: str) -> None:
+    """torch.compile's partitioner saves a collective unless the selective-checkpoint
+    policy_fn answers MUST_RECOMPUTE for it; a converted policy_fn decides the same, and
+    decides about every other op as torch's selective checkpoint does."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    policy = P.from_selective_checkpoint(lambda ctx, op, *args, **kwargs: CheckpointPolicy[answer])
+    assert P.names_collectives(policy) and P.names_collectives(policy | P.dots_saveable)
+    kept = answer != "MUST_RECOMPUTE"
+    assert _kept(policy) == (kept, kept)
+    saved = answer.endswith("SAVE")
+    assert _kept(policy, torch.ops.aten.mm.default) == (saved, saved)
