@@ -10,7 +10,8 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from .._running.replaying import replaying
+from .._core.torch_internals import autograd_engine_running
+from .._running.replaying import replay_starting
 from .reports import measuring_replayed
 
 
@@ -22,8 +23,9 @@ def saved_tensor_bytes(f: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     once. Works for any function, with or without remat, so the two can be compared. The
     outputs of `f` are dropped before returning. A region remat replays is counted by what
     it reports keeping (its inputs, kept values and generator state). Other code that
-    installs saved-tensor hooks of its own (torch.utils.checkpoint) keeps what those hooks
-    keep out of sight: such a call warns that the count misses it.
+    installs saved-tensor hooks of its own (torch.utils.checkpoint, inside a replayed
+    region too) keeps what those hooks keep out of sight: such a call warns that the count
+    misses it.
     """
     held: list[weakref.ref[_Held]] = []
 
@@ -66,7 +68,9 @@ def _hooks_entered() -> Iterator[set[str]]:
     original = hooks.__enter__
 
     def noting(self: Any) -> Any:
-        if not replaying():  # a replayed region's own hooks: what it keeps is counted apart
+        # a replayed region's own hooks (what it keeps is counted apart) and hooks a backward
+        # inside the function enters to recompute (what they save, that backward reads) are not
+        if not replay_starting() and not autograd_engine_running():
             entered.add(type(self).__qualname__)
         return original(self)
 

@@ -49,12 +49,20 @@ from .._trace.failures import user_line
 from .._trace.hooks import forward_hooks
 from .._trace.reachable import Snapshot, modules_reached, roots_of, roots_of_hooks
 
-_REPLAYING: contextvars.ContextVar[bool] = contextvars.ContextVar("remat_replaying", default=False)
+# Where a replayed region's forward is: checkpoint entering its own hooks, or the region's code
+_STARTING, _RUNNING = "starting", "running"
+_REPLAYING: contextvars.ContextVar[str | None] = contextvars.ContextVar("remat_replaying", default=None)
 
 
 def replaying() -> bool:
     """Whether a replayed region runs (`checkpoint_name` then makes a named copy)."""
-    return _REPLAYING.get()
+    return _REPLAYING.get() is not None
+
+
+def replay_starting() -> bool:
+    """Whether a replayed region is entering its own saved-tensor hooks, before its code
+    runs: hooks entered then are remat's, hooks entered by its code are the user's."""
+    return _REPLAYING.get() == _STARTING
 
 
 @dataclass(frozen=True)
@@ -90,11 +98,28 @@ def replay(
         observed = functools.partial(_Observed, region, _input_names(fn, args, kwargs, roots), _rng_states(args), observe)
     contexts = functools.partial(_contexts, policy, region, fn, roots, observed)
     function = functools.partial(fn, **kwargs) if kwargs else fn  # checkpoint's own keywords stay the function's
-    token = _REPLAYING.set(True)
+    token = _REPLAYING.set(_STARTING)
     try:
-        return checkpoint(function, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True)
+        running = _code_running(function)
+        return checkpoint(running, *args, use_reentrant=False, context_fn=contexts, preserve_rng_state=True)
     finally:
         _REPLAYING.reset(token)
+
+
+def _code_running(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, marking its forward call as the region's code running (its recompute in
+    backward runs as before, unmarked)."""
+
+    def run(*args: Any) -> Any:
+        if _REPLAYING.get() != _STARTING:
+            return function(*args)
+        token = _REPLAYING.set(_RUNNING)
+        try:
+            return function(*args)
+        finally:
+            _REPLAYING.reset(token)
+
+    return run
 
 
 def replays_op_by_op(policy: Callable[..., Any] | None) -> bool:

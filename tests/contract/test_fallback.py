@@ -216,6 +216,30 @@ def test_saved_tensor_bytes_and_compare_count_what_replayed_regions_keep(name: s
     assert rows[0].kept_bytes == expected
 
 
+def test_saved_tensor_bytes_warns_of_a_checkpoint_inside_a_replayed_region() -> None:
+    """A replayed region's own checkpoint is counted; a torch.utils.checkpoint its code
+    calls keeps what it saves out of sight, and the count says so (nested replayed regions
+    and a replay's recompute do not warn)."""
+    w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
+
+    def untraceable(x: torch.Tensor) -> torch.Tensor:
+        h = (x @ w).tanh()
+        return h[(h.sum(-1) > 0).nonzero()[:, 0]].sum() + h.sum()
+
+    checkpointed = remat(lambda x: torch.utils.checkpoint.checkpoint(untraceable, x, use_reentrant=False))
+    nested = remat(lambda x: remat(untraceable)(x.sin()).cos())
+    x = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RematFallbackWarning)
+        checkpointed(x), nested(x)  # their first calls try to trace
+        with pytest.warns(UserWarning, match="saved-tensor hooks of its own .*not counted"):
+            saved_tensor_bytes(checkpointed, x)
+        warnings.simplefilter("error")
+        warnings.simplefilter("ignore", RematFallbackWarning)
+        saved_tensor_bytes(nested, x)
+        saved_tensor_bytes(lambda x: torch.autograd.grad(nested(x), x, create_graph=True)[0].sum(), x)
+
+
 class _Block(torch.nn.Module):
     """BatchNorm (running statistics updated in place), a counter updated in place and
     read, dropout, a full backward hook, and a data-dependent shape."""
