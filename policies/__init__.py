@@ -16,6 +16,7 @@ Nothing here imports the mechanism in ``remat``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -168,6 +169,7 @@ class SaveOps(PolicyBase):
     ops: frozenset[str]
     label: str = ""
     expected: tuple[frozenset[str], ...] = field(default=(), compare=False)
+    asks_about_collectives: bool = False  # torch's list of ops to save: a collective not listed is recomputed
 
     def __call__(self, op: Any, *args: Any, **kwargs: Any) -> bool:
         return op_key(op) in self.ops
@@ -177,7 +179,7 @@ class SaveOps(PolicyBase):
         return self.label or f"save_ops({', '.join(parts)})"
 
     def references(self) -> References:
-        return References(ops=self.expected)
+        return References(ops=self.expected, asks_about_collectives=self.asks_about_collectives)
 
 
 def save_ops(*ops: OpLike | frozenset[str]) -> SaveOps:
@@ -363,9 +365,9 @@ class MemoryBudget(PolicyBase):
 @dataclass(frozen=True, repr=False)
 class _SelectiveCheckpoint(PolicyBase):
     """torch's selective-checkpoint `policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy`
-    asked as a remat policy: MUST_SAVE and PREFER_SAVE keep, the two RECOMPUTEs do not. A
-    collective is kept unless the answer is MUST_RECOMPUTE, as torch.compile's partitioner
-    decides (it saves collectives outside a region that must recompute them)."""
+    asked as a remat policy: MUST_SAVE and PREFER_SAVE keep, the two RECOMPUTEs do not.
+    It is asked about collectives too, as torch's selective checkpoint asks (eager and
+    compiled, torch recomputes a collective such a policy does not save)."""
 
     policy_fn: Callable[..., Any]
 
@@ -380,8 +382,6 @@ class _SelectiveCheckpoint(PolicyBase):
                 "policy_fn returns a torch.utils.checkpoint.CheckpointPolicy (MUST_SAVE, PREFER_SAVE, "
                 "MUST_RECOMPUTE or PREFER_RECOMPUTE)."
             )
-        if op_key(op) in COLLECTIVES:
-            return answer is not CheckpointPolicy.MUST_RECOMPUTE
         return answer in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
     def __repr__(self) -> str:
@@ -395,14 +395,18 @@ def from_selective_checkpoint(policy_fn_or_ops: Callable[..., Any] | Iterable[Op
     """A remat policy from what torch's `create_selective_checkpoint_contexts` takes.
 
     ``policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy``: kept where it answers
-    MUST_SAVE or PREFER_SAVE; a collective's output is kept unless it answers MUST_RECOMPUTE
-    (torch.compile's rule). remat asks once per op when it plans the region, never in the
+    MUST_SAVE or PREFER_SAVE. remat asks once per op when it plans the region, never in the
     recompute, so ``ctx.is_recompute`` is always False. A list of ops: keep their outputs
-    (``save_ops``). The policy sees data-free meta tensors, as every remat policy does.
+    (as ``save_ops``). The policy sees data-free meta tensors, as every remat policy does.
+    As in torch, eager and compiled, a collective either form does not save is recomputed
+    (it communicates again in backward); other policies keep collectives unless they name
+    them.
     """
     if callable(policy_fn_or_ops):
         return _SelectiveCheckpoint(policy_fn_or_ops)
-    return save_ops(*policy_fn_or_ops)
+    listed = save_ops(*policy_fn_or_ops)
+    label = f"from_selective_checkpoint([{', '.join(sorted(listed.ops))}])"
+    return dataclasses.replace(listed, label=label, asks_about_collectives=True)
 
 
 def memory_budget(limit: int | float) -> MemoryBudget:

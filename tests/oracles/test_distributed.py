@@ -116,9 +116,8 @@ class _Communication(TorchDispatchMode):
 def _backward_communicates_as_without_remat(mesh: Any, x: torch.Tensor) -> dict[str, bool]:
     """Sequence parallel, replayed: under every built-in policy (none names collectives)
     backward communicates as much as without remat and no more, the collectives' outputs
-    kept, and under a torch policy_fn that prefers recomputing; a policy that names them to
-    recompute (`& ~save_ops(COLLECTIVES)`, a policy_fn answering MUST_RECOMPUTE) gathers
-    the sequence again. Gradients as without remat either way."""
+    kept; a policy that names them to recompute (`& ~save_ops(COLLECTIVES)`), or a torch
+    policy_fn that does not save them, gathers the sequence again. Gradients as without remat either way."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     import remat
@@ -176,10 +175,46 @@ def _traced_region_communicates_as_without_remat(x: torch.Tensor) -> dict[str, b
     return _communicates_as_plain(backward_collectives, _communication_policies(P.nothing_saveable))
 
 
+def _compiled_region_communicates_as_without_remat(x: torch.Tensor) -> dict[str, bool]:
+    """Under torch.compile a region is torch's selective checkpoint, its ops tagged by the
+    policy (aot_eager: the partitioned graphs run op by op, so their collectives can be
+    counted). Backward communicates as the compiled function without remat does under a
+    policy that keeps collectives, and more under one that recomputes them (torch's
+    partitioner saves collectives only where a region leaves them untagged). Gradients
+    bitwise as compiled without remat."""
+    import torch.distributed._functional_collectives as collectives
+
+    import remat
+    from remat import policies as P
+
+    w = torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+
+    def gathered(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        everyone = collectives.all_gather_tensor(x @ w, 0, list(range(WORLD)))
+        return (everyone.sin() @ w.t()).sum(0)
+
+    def backward_collectives(name: str, policy: Any) -> tuple[int, list[torch.Tensor], bool]:
+        inputs = [x.detach().requires_grad_(), w.detach().requires_grad_()]
+        fn = gathered if name == "plain" else remat.remat(gathered, policy=policy)
+        out = torch.compile(fn, backend="aot_eager", fullgraph=True)(*inputs)
+        counting = _Communication()
+        with counting:
+            grads = list(torch.autograd.grad(out.pow(2).sum(), inputs))
+        return counting.collectives, grads, True
+
+    policies = {
+        "nothing": P.nothing_saveable,
+        RECOMPUTED: P.nothing_saveable & ~P.save_ops(P.COLLECTIVES),
+        TORCH_RECOMPUTES: P.from_selective_checkpoint(_prefer_recompute),
+        TORCH_SAVES: P.from_selective_checkpoint(_save_collectives),
+    }
+    return _communicates_as_plain(backward_collectives, policies)
+
+
 RECOMPUTED = "collectives named, recomputed"
-TORCH_PREFERS = "torch policy_fn, PREFER_RECOMPUTE"
-TORCH_MUST = "torch policy_fn, MUST_RECOMPUTE"
-RECOMPUTING = {RECOMPUTED, TORCH_MUST}
+TORCH_RECOMPUTES = "torch policy_fn, PREFER_RECOMPUTE"
+TORCH_SAVES = "torch policy_fn saving collectives"
+RECOMPUTING = {RECOMPUTED, TORCH_RECOMPUTES}
 
 
 def _prefer_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -188,16 +223,18 @@ def _prefer_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _must_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+def _save_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
-    return CheckpointPolicy.MUST_RECOMPUTE
+    from remat import policies as P
+
+    return CheckpointPolicy.MUST_SAVE if P.op_key(op) in P.COLLECTIVES else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _communication_policies(base: Any) -> dict[str, Any]:
     """The built-in policies, `base` naming collectives to recompute, and torch
-    selective-checkpoint policies converted: one that prefers to recompute every op (a
-    collective is kept, as torch.compile's partitioner keeps it) and one that must."""
+    selective-checkpoint policies converted, which decide about collectives as in torch:
+    one that recomputes every op (collectives too) and one that saves collectives."""
     from remat import policies as P
 
     from conftest import BUILT_IN_POLICIES
@@ -205,8 +242,8 @@ def _communication_policies(base: Any) -> dict[str, Any]:
     return {
         **BUILT_IN_POLICIES,
         RECOMPUTED: base & ~P.save_ops(P.COLLECTIVES),
-        TORCH_PREFERS: P.from_selective_checkpoint(_prefer_recompute),
-        TORCH_MUST: P.from_selective_checkpoint(_must_recompute),
+        TORCH_RECOMPUTES: P.from_selective_checkpoint(_prefer_recompute),
+        TORCH_SAVES: P.from_selective_checkpoint(_save_collectives),
     }
 
 
@@ -318,6 +355,8 @@ def _worker(rank: int, port: int, results: dict[tuple[int, str, str], bool]) -> 
             results[(rank, "traced communication", name)] = ok
         for name, ok in _process_group_calls_replay_as_without_remat(inputs["tp"]).items():
             results[(rank, "process group calls", name)] = ok
+        for name, ok in _compiled_region_communicates_as_without_remat(inputs["tp"]).items():
+            results[(rank, "compiled communication", name)] = ok
     finally:
         dist.destroy_process_group()
 
@@ -337,8 +376,10 @@ def test_tensor_parallel_layers_equal_no_remat_on_every_rank_under_every_policy(
     expected = {(rank, kind, name): True for rank in range(WORLD) for kind in KINDS for name in POLICY_NAMES}
     expected.update({(rank, "tp", "refused under grad"): True for rank in range(WORLD)})
     for kind in ("sp communication", "traced communication"):
-        names = [*POLICY_NAMES, RECOMPUTED, TORCH_PREFERS, TORCH_MUST]
+        names = [*POLICY_NAMES, RECOMPUTED, TORCH_RECOMPUTES, TORCH_SAVES]
         expected.update({(rank, kind, name): True for rank in range(WORLD) for name in names})
+    compiled = ["nothing", RECOMPUTED, TORCH_RECOMPUTES, TORCH_SAVES]
+    expected.update({(rank, "compiled communication", name): True for rank in range(WORLD) for name in compiled})
     calls = [*POLICY_NAMES, "refused under grad"]
     expected.update({(rank, "process group calls", name): True for rank in range(WORLD) for name in calls})
     assert outcome == expected

@@ -173,7 +173,7 @@ _GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 
 
 @pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.dots_saveable, P.dots_with_no_batch_dims_saveable,
-                                    P.save_only_these_names("a"), P.from_selective_checkpoint([torch.ops.aten.mm])])
+                                    P.save_only_these_names("a"), P.save_ops(torch.ops.aten.mm)])
 def test_a_collective_is_kept_unless_the_policy_names_collectives(policy: Any) -> None:
     """Recomputing a collective communicates again in backward: its output is kept without
     asking a policy that does not name collectives, eager and compiled alike; a policy that
@@ -202,15 +202,16 @@ def _kept(policy: Any, op: Any = _GATHER) -> tuple[bool, bool]:
 
 
 @pytest.mark.parametrize("answer", ["MUST_SAVE", "PREFER_SAVE", "PREFER_RECOMPUTE", "MUST_RECOMPUTE"])
-def test_a_torch_policy_fn_keeps_a_collective_unless_it_must_recompute_it(answer: str) -> None:
-    """torch.compile's partitioner saves a collective unless the selective-checkpoint
-    policy_fn answers MUST_RECOMPUTE for it; a converted policy_fn decides the same, and
-    decides about every other op as torch's selective checkpoint does."""
+def test_a_torch_policy_decides_about_collectives_as_torch_does(answer: str) -> None:
+    """torch's selective checkpoint asks its policy_fn about collectives as about any op,
+    eager and compiled (torch's partitioner saves only collectives outside such a region):
+    a converted policy_fn, and a converted list of ops to save, decide the same."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     policy = P.from_selective_checkpoint(lambda ctx, op, *args, **kwargs: CheckpointPolicy[answer])
     assert P.names_collectives(policy) and P.names_collectives(policy | P.dots_saveable)
-    kept = answer != "MUST_RECOMPUTE"
-    assert _kept(policy) == (kept, kept)
     saved = answer.endswith("SAVE")
+    assert _kept(policy) == (saved, saved)
     assert _kept(policy, torch.ops.aten.mm.default) == (saved, saved)
+    listed = P.from_selective_checkpoint([torch.ops.aten.mm, *P.COLLECTIVES] if saved else [torch.ops.aten.mm])
+    assert P.names_collectives(listed) and _kept(listed) == (saved, saved)
