@@ -201,6 +201,7 @@ def _split_flattened(
     args = tuple(_Static(a) if (i in static_argnums or i - len(args) in static_argnums) else a for i, a in enumerate(args))
     kwargs = {k: _Static(v) if k in static_argnames else v for k, v in kwargs.items()}
     paths, leaves, spec = optree.tree_flatten_with_path((args, kwargs))  # type: ignore[var-annotated,arg-type]
+    transforms = transforms_active()
     tensors: list[torch.Tensor] = []
     tensor_paths: list[str] = []
     positions: list[int] = []
@@ -214,7 +215,7 @@ def _split_flattened(
         readable = format_path(root, path[2:])
         leaf_paths.append(readable)
         if isinstance(leaf, torch.Tensor):
-            _refuse_unstrided(fn, readable, leaf)
+            _refuse_unstrided(fn, readable, leaf, transforms)
             tensors.append(leaf)
             tensor_paths.append(readable)
             positions.append(position)
@@ -276,12 +277,13 @@ def _with_captured(
     """The Call of split arguments, with what `fn` captures and the state a trace depends
     on added to the key (shared by both ways of splitting)."""
     captured, captured_paths, captured_setters, flags = _collect_consistently(fn, memo)
+    transforms = transforms_active()
     for captured_path, tensor in zip(captured_paths, captured):
-        _refuse_unstrided(fn, captured_path, tensor)
+        if transforms or type(tensor) not in _PLAIN_TENSORS or tensor.layout is not torch.strided:
+            _refuse_unstrided(fn, captured_path, tensor, transforms)  # (what it lets through is checked inline)
         key.append(tensor_signature(tensor))
     key.append(flags)
     key.append(torch.is_grad_enabled())
-    transforms = transforms_active()
     key.append(transforms)  # eager code runs some ops otherwise under torch.func (dropout)
     key.append(transforms and nested_gradients())  # no transforms: no nesting, and a cheaper answer
     key.append(autocast_state())
@@ -506,16 +508,17 @@ def _collect_consistently(fn: Callable[..., Any], memo: CaptureMemo | None = Non
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
 
 
-def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor) -> None:
+def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor, transforms: bool) -> None:
     """Sparse and other unstrided tensors, ExpandedWeights and tensor subclasses with their
-    own dispatch (DTensor) have no fake stand-in remat can trace with."""
+    own dispatch (DTensor) have no fake stand-in remat can trace with. `transforms`: a
+    torch.func transform is active, under which a DTensor is a plain-looking wrapper."""
     if type(t) in _PLAIN_TENSORS:  # the common case, asked per argument and captured tensor on every call
         if t.layout is not torch.strided:
             _refuse_layout(fn, path, t)
-        if is_transform_wrapped(t):  # under torch.func a DTensor is a plain-looking wrapper: look beneath
+        if transforms and is_transform_wrapped(t):  # look beneath the wrapper
             inner = transform_levels(t)[-1]
             if type(inner) not in _PLAIN_TENSORS:
-                _refuse_unstrided(fn, path, inner)
+                _refuse_unstrided(fn, path, inner, False)
         return
     if is_expanded_weight(t):  # it answers no attribute read (`.layout` raises)
         raise RematTraceError(
