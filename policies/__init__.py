@@ -107,7 +107,7 @@ def references(policy: Any) -> References:
 def names_collectives(policy: Any) -> bool:
     """Whether `policy` decides about collectives. Only a policy that names one
     (``save_ops(COLLECTIVES)``, ``~save_ops(COLLECTIVES)``, ``offload_ops`` of one) or one
-    made by ``from_selective_checkpoint(policy_fn)`` is asked about them; under any other
+    made by ``from_selective_checkpoint`` (as torch's) is asked about them; under any other
     remat keeps their outputs, so that backward communicates no more than without remat."""
     refs = references(policy)
     return refs.asks_about_collectives or any(group & COLLECTIVES for group in refs.ops)
