@@ -41,7 +41,7 @@ from .._plans.caching import DEFAULT_CACHE_SIZE, MISSING, PlanCache, clear_cache
 from .._plans.like_layers import like_key, like_plan, note_reads, offer, region_module
 from .._plans.sharing import graph_signature, share_plan, shared_plan
 from .._plans.templates import Graphs, Templates
-from .._running.chaining import Chain, Runnable, split_at_outputs
+from .._running.chaining import Chain, Runnable, split_at_outputs, why_unsplit
 from .._running.executing import Plan, eager_under_vmap
 from .._running.replaying import replay, replay_note
 from .._trace.arguments import Call, CaptureMemo, positional_names, split_call
@@ -422,6 +422,14 @@ class Rematerialized(Generic[_P, _R]):
             whole = whole | read_by_rest_first
             parts = [self._plan(half, updated, whole=whole) for half in (first, rest)]
             return Chain(stage_one, *parts, first_positions)  # type: ignore[arg-type]
+        unsplit = why_unsplit(stage_one) if joint is None and not transforms_active() else None
+        if unsplit is not None:
+            raise RematTraceError(
+                f"remat({self.region}): some of its outputs are computed from its other outputs, and {unsplit}; as "
+                "one autograd node it would hide that dependence (a gradient with respect to those outputs, their "
+                "hooks and retain_grad would miss it). To keep it traced, compute the outputs the others are "
+                "computed from in a region of their own."
+            )  # under a torch.func transform no gradient is taken with respect to an output: it stays one node
         float_outputs = [j for j, differentiable in enumerate(stage_one.output_differentiable) if differentiable]
         builds_graph = transforms_active()  # torch.func differentiates a backward as a graph; .backward() does not
         if joint is None:

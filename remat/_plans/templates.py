@@ -35,7 +35,7 @@ from .._core.torch_internals import (
     symbolic_tracing,
     transforms_active,
 )
-from .._running.chaining import split_at_outputs
+from .._running.chaining import feeds_outputs
 from .._trace.arguments import Call
 from .._trace.records import StageOne
 from .._trace.tracing import capture, differentiate
@@ -160,8 +160,8 @@ def trace_template(
             raise _NoTemplate("as_strided reads an input: plans are per storage offset")
         if any(isinstance(leaf, SYMBOLIC_SCALARS) for leaf in stage_one.out_static):
             raise _NoTemplate("the function returns a size")
-        if split_at_outputs(stage_one) is not None:
-            raise _NoTemplate("outputs feed other outputs (a chain of plans)")
+        if feeds_outputs(stage_one):
+            raise _NoTemplate("outputs feed other outputs (a chain of plans, or a replay)")
         float_outputs = [j for j, differentiable in enumerate(stage_one.output_differentiable) if differentiable]
         joint = differentiate(stage_one, diff_inputs, float_outputs, create_graph=False)  # templates: no transforms
         guards = guards_expression(mode, stage_one.input_values)

@@ -64,35 +64,19 @@ def split_at_outputs(stage_one: StageOne) -> tuple[StageOne, StageOne, list[list
     The last: inputs that rest reads before first does. Autograd runs rest's backward
     first, so rest's gradients for an input reach it first; eager's reach it in the
     reverse order of the reads, so for such an input they come later."""
-    if stage_one.units:  # a custom Function's ops belong together (`_trace/functions`)
+    cuts = _cuts(stage_one)
+    if not cuts or why_unsplit(stage_one) is not None:
         return None
     graph = stage_one.graph.graph
-    output = next(n for n in graph.nodes if n.op == "output")
-    outs = list(output.args[0])
+    outs = list(next(n for n in graph.nodes if n.op == "output").args[0])
     n_mutated = len(stage_one.mutated)
-    live = ancestors(outs, stop=set())  # what the outputs are computed from (not a dead detach)
-    cuts = {
-        outs[j]
-        for j in range(stage_one.n_outputs - stage_one.n_hook_outputs)  # what hooks are given does not split
-        if isinstance(outs[j], torch.fx.Node)
-        and outs[j].op != "placeholder"
-        and stage_one.output_differentiable[j]
-        and any(user is not output and user in live for user in outs[j].users)
-    }
-    if not cuts:
-        return None
     first_positions = [j for j in range(stage_one.n_outputs) if outs[j] in cuts]
     rest_positions = [j for j in range(stage_one.n_outputs) if outs[j] not in cuts]
     rest_positions += range(stage_one.n_outputs, stage_one.n_outputs + n_mutated)
     cut_nodes = list(dict.fromkeys(outs[j] for j in first_positions))
     placements = [[j for j in first_positions if outs[j] is node] for node in cut_nodes]
 
-    first_nodes = ancestors([outs[j] for j in first_positions], stop=set())
-    rest_nodes = ancestors([outs[j] for j in rest_positions], stop=set(cut_nodes))
-    reseeds = stage_one.rng_end is not None and steps_of(graph.nodes, stage_one.rng_end) is not None
-    if not _random_draws_keep_their_order(graph, first_nodes, rest_nodes) or reseeds:
-        return None  # (the function's own reseeding is replayed by one forward graph)
-
+    first_nodes, rest_nodes = _parts(stage_one, cuts)
     first_gm = _subgraph(stage_one.graph, first_nodes, cut_nodes, [])
     rest_gm = _subgraph(stage_one.graph, rest_nodes, [outs[j] for j in rest_positions], cut_nodes)
     # Every draw continues the stream (else the region stays whole), so each part's do too.
@@ -121,6 +105,53 @@ def split_at_outputs(stage_one: StageOne) -> tuple[StageOne, StageOne, list[list
         input_paths=[*stage_one.input_paths, *(f"output {outs.index(node)} of the region" for node in cut_nodes)],
     )
     return first, rest, placements, _read_by_rest_first(graph, first_nodes, rest_nodes)
+
+
+def _cuts(stage_one: StageOne) -> set[torch.fx.Node]:
+    """The differentiable outputs other outputs are computed from."""
+    graph = stage_one.graph.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    outs = list(output.args[0])
+    live = ancestors(outs, stop=set())  # what the outputs are computed from (not a dead detach)
+    return {
+        outs[j]
+        for j in range(stage_one.n_outputs - stage_one.n_hook_outputs)  # what hooks are given does not split
+        if isinstance(outs[j], torch.fx.Node)
+        and outs[j].op != "placeholder"
+        and stage_one.output_differentiable[j]
+        and any(user is not output and user in live for user in outs[j].users)
+    }
+
+
+def _parts(stage_one: StageOne, cuts: set[torch.fx.Node]) -> tuple[set[torch.fx.Node], set[torch.fx.Node]]:
+    """The nodes of first (what computes the cut outputs) and of rest (the other outputs,
+    reading the cut outputs as inputs)."""
+    outs = list(next(n for n in stage_one.graph.graph.nodes if n.op == "output").args[0])
+    n = stage_one.n_outputs
+    first = [outs[j] for j in range(n) if outs[j] in cuts]
+    rest = [outs[j] for j in range(n) if outs[j] not in cuts] + outs[n : n + len(stage_one.mutated)]
+    return ancestors(first, stop=set()), ancestors(rest, stop=set(first))
+
+
+def why_unsplit(stage_one: StageOne) -> str | None:
+    """Why a region whose outputs feed its other outputs cannot run as two autograd nodes
+    (None when it can, or when no output feeds another)."""
+    cuts = _cuts(stage_one)
+    if not cuts:
+        return None
+    if stage_one.units:  # a custom Function's ops belong together (`_trace/functions`)
+        return "it applies a custom torch.autograd.Function, whose ops belong to one node"
+    graph = stage_one.graph.graph
+    if stage_one.rng_end is not None and steps_of(graph.nodes, stage_one.rng_end) is not None:
+        return "it reseeds a generator, which one forward graph replays"
+    if not _random_draws_keep_their_order(graph, *_parts(stage_one, cuts)):
+        return "splitting it would draw its random numbers in another order than eager code does"
+    return None
+
+
+def feeds_outputs(stage_one: StageOne) -> bool:
+    """Whether some output of the region is computed from another (differentiable) one."""
+    return bool(_cuts(stage_one))
 
 
 def _read_by_rest_first(graph: torch.fx.Graph, first: set[torch.fx.Node], rest: set[torch.fx.Node]) -> set[int]:

@@ -9,6 +9,7 @@ import gc
 import io
 import pickle
 import threading
+import warnings
 from typing import Any, Callable
 
 import pytest
@@ -357,24 +358,68 @@ def test_a_kept_output_is_reported_by_the_part_that_keeps_it() -> None:
     assert sorted(r.source or "" for r in kept if r.kind == "input") == ["output 0 of the region", "x"]
 
 
-def test_outputs_whose_split_would_reorder_random_draws_stay_one_region() -> None:
-    """A draw for `z` comes before the draw for `y`: splitting would swap them. The region
-    stays whole and exact; only `grad(z, y)` is unavailable, with torch's own error."""
+def test_outputs_whose_split_would_reorder_random_draws_run_replayed() -> None:
+    """A draw for `z` comes before the draw for `y`: splitting would swap them, and one
+    autograd node would hide that `z` is computed from `y` (a gradient with respect to `y`,
+    its hooks and retain_grad would miss `z`'s part, silently). Outside torch.func the
+    region runs replayed, saying why: every gradient, `y`'s included, as without remat.
+    Under a transform, where no gradient is taken with respect to an output, it stays one
+    traced node, exact."""
     def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         mask_for_z = F.dropout(x, 0.5)
         y = F.dropout(x.sin(), 0.5)
         return y, (y * mask_for_z).sum()
 
     x = torch.randn(8, dtype=D, requires_grad=True)
+    region = remat(f)
     results = []
-    for g in (f, remat(f)):
+    for g in (f, region):
         torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y, z = g(x)
+        assert (g is region) == any("random numbers in another order" in str(w.message) for w in caught)
+        y.retain_grad()
+        seen: list[torch.Tensor] = []
+        y.register_hook(seen.append)
+        (y.sum() + z).backward(retain_graph=True)
+        results.append([y, z, y.grad, seen[0], x.grad, *torch.autograd.grad(z, (y, x)), torch.rand(3)])
+        x.grad = None
+    assert_close(results[1], results[0], rtol=0, atol=0)
+    assert region.cache_info()["replays"] == 1
+
+    def loss(x: torch.Tensor, g: Any) -> tuple[torch.Tensor, torch.Tensor]:
         y, z = g(x)
-        results.append([y, z, *torch.autograd.grad(z, x), torch.rand(3)])
-    assert_close(results[1], results[0])
-    y, z = remat(f)(x)
-    with pytest.raises(RuntimeError, match="appears to not have been used in the graph"):
-        torch.autograd.grad(z, y)
+        return y.pow(2).sum() + z, y
+
+    under_grad = []
+    for g in (f, region):
+        torch.manual_seed(0)
+        under_grad.append([*torch.func.grad(loss, has_aux=True)(x.detach(), g), torch.rand(3)])
+    assert_close(under_grad[1], under_grad[0], rtol=0, atol=0)
+    assert region.cache_info()["replays"] == 1  # traced under the transform
+
+
+def test_outputs_feeding_outputs_in_a_region_that_reseeds_run_replayed() -> None:
+    """A region that reseeds stays one graph (one forward graph replays the reseeding), so
+    with an output computed from another it runs replayed: `y`'s gradient, the outputs and
+    the random stream after it as without remat."""
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(3)
+        y = F.dropout(x.sin(), 0.5)
+        return y, (y * y).sum()
+
+    x = torch.randn(8, dtype=D, requires_grad=True)
+    region = remat(f)
+    results = []
+    for g in (f, region):
+        torch.manual_seed(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            y, z = g(x)
+        assert (g is region) == any("reseeds a generator" in str(w.message) for w in caught)
+        results.append([y, z, *torch.autograd.grad(y.sum() + z, (y, x)), torch.rand(3)])
+    assert_close(results[1], results[0], rtol=0, atol=0)
 
 
 def test_a_region_whose_outputs_do_not_feed_each_other_is_one_autograd_node() -> None:
