@@ -9,6 +9,7 @@ import collections
 import contextlib
 import contextvars
 import functools
+import inspect
 import itertools
 import logging
 from typing import Any, Callable, Iterator, Sequence
@@ -28,6 +29,14 @@ def torch_at_least(version: str) -> bool:
     """Whether the running torch is `version` or newer (the suite's floor is 2.13; the GPU
     machine's image has 2.11, where some of remat's paths are not available)."""
     return bool(torch.torch_version.TorchVersion(torch.__version__) >= version)
+
+
+def replays_supported() -> bool:
+    """Whether torch's selective checkpointing gives a policy the op's output (torch 2.13 does,
+    2.11 asks before the op runs), which a replayed region's op-by-op decisions read."""
+    from torch.utils.checkpoint import SelectiveCheckpointContext
+
+    return "op_output" in inspect.signature(SelectiveCheckpointContext).parameters
 
 
 def symbolic_templates_work() -> bool:
@@ -388,6 +397,35 @@ def autocast_state() -> tuple[Any, ...]:
 
 
 _NO_AUTOCAST = ("no autocast",)
+
+
+# Global switches that decide which aten ops a composite traces to (torch 2.13 and 2.11,
+# torch/backends): scaled_dot_product_attention picks its fused kernel (flash, memory-
+# efficient, cuDNN, math, in this priority order) and batch_norm its implementation when it
+# is called. A plan traced under one choice replayed under another would run other kernels,
+# with other dropout draws, than eager code: the choice is part of what a plan depends on.
+_KERNEL_SWITCHES = tuple(
+    getattr(torch._C, name)
+    for name in (
+        "_get_flash_sdp_enabled",
+        "_get_mem_efficient_sdp_enabled",
+        "_get_math_sdp_enabled",
+        "_get_cudnn_sdp_enabled",
+        "_get_fa3_sdp_enabled",
+        "_get_overrideable_sdp_enabled",
+        "_get_math_sdp_allow_fp16_bf16_reduction",
+        "_get_cudnn_enabled",
+        "_get_mkldnn_enabled",
+        "_get_deterministic_algorithms",
+    )
+    if hasattr(torch._C, name)
+)
+_priority_order = getattr(torch._C, "_get_sdp_priority_order", lambda: ())
+
+
+def kernel_choices() -> tuple[Any, ...]:
+    """The switches that choose which ops composites trace to (see above), as a key part."""
+    return (*(get() for get in _KERNEL_SWITCHES), tuple(_priority_order()))
 
 
 @contextlib.contextmanager

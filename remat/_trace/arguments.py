@@ -29,6 +29,7 @@ from .._core.torch_internals import (
     autocast_state,
     is_expanded_weight,
     is_transform_wrapped,
+    kernel_choices,
     nested_gradients,
     transform_levels,
     transforms_active,
@@ -98,6 +99,7 @@ class Call:
             "torch.func transforms",
             "nested gradients",
             "autocast",
+            "kernel choices (torch.backends: SDPA backends, cuDNN, oneDNN, deterministic algorithms)",
         ]
 
     def storage_offsets(self) -> tuple[int, ...]:
@@ -287,6 +289,7 @@ def _with_captured(
     key.append(transforms)  # eager code runs some ops otherwise under torch.func (dropout)
     key.append(transforms and nested_gradients())  # no transforms: no nesting, and a cheaper answer
     key.append(autocast_state())
+    key.append(kernel_choices())  # which fused kernels composites pick (attention, batch norm)
     return Call(tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key), leaf_paths)
 
 

@@ -619,3 +619,32 @@ def test_a_full_backward_hook_inside_a_region_is_refused_naming_it() -> None:
     block[0].register_full_backward_hook(lambda m, grad_in, grad_out: None)
     with pytest.raises(RematTraceError, match=r"full backward hook .* outside the remat'd function"):
         remat(block, fallback=False)(torch.randn(2, 4, dtype=D, requires_grad=True))
+
+
+# ---------------------------------------------------------------- kernel switches
+
+
+def _attention(q: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, q, q, is_causal=True).sin()
+
+
+def test_a_call_under_other_kernel_switches_runs_the_kernels_eager_code_runs() -> None:
+    """`sdpa_kernel` (and torch.backends' switches) choose which op scaled_dot_product_attention
+    traces to: the flash kernel on CPU, or its math decomposition. The same wrapper called
+    under another choice must run the other kernels, bit for bit as eager code does."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    f = remat(_attention)
+    q = torch.randn(2, 2, 16, 8, requires_grad=True)  # float32: the two kernels round differently
+    for kernel in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH, SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(kernel):
+            expected = _attention(q)
+            actual = f(q)
+            assert torch.equal(actual, expected), kernel
+            assert torch.equal(*(torch.autograd.grad(out.sum(), q)[0] for out in (actual, expected))), kernel
+    assert f.cache_info()["traces"] == 2  # one per choice; the third call finds the first plan
+    outputs = []
+    for kernel in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+        with sdpa_kernel(kernel):
+            outputs.append(_attention(q))
+    assert not torch.equal(*outputs)  # the choice matters here: a stale plan could not pass
