@@ -30,7 +30,10 @@ def saved_tensor_bytes(f: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
     held: list[weakref.ref[_Held]] = []
 
     def pack(t: torch.Tensor) -> _Held:
-        holder = _Held(t)
+        # Detached: a saved output comes with its grad_fn, the node saving it, and holding
+        # that would close a cycle through C++ (node -> saved variable -> holder -> tensor ->
+        # node) that no gc.collect() frees: every graph measured would live on.
+        holder = _Held(t.detach())
         held.append(weakref.ref(holder))
         return holder
 

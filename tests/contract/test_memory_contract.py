@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import Any
 
 import pytest
@@ -121,3 +123,38 @@ def test_gradients_only_for_inputs_that_need_them(use_remat: bool) -> None:
         out.backward()
     assert counter.count == 2  # one mm per layer for dx, none for the weights
     assert w1.grad is None and x.grad is not None
+
+
+class _Outputs(TorchDispatchMode):
+    """Weak references to the storage of every op output made while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[weakref.ref[torch.UntypedStorage]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.made.append(weakref.ref(t.untyped_storage()))
+        return out
+
+
+@pytest.mark.parametrize("wrap", ["plain", "remat"])
+def test_measuring_saved_bytes_leaves_nothing_alive(wrap: str) -> None:
+    """saved_tensor_bytes runs `f` under saved-tensor hooks: what it measured must go when the
+    caller drops the output. An op that saves its own output (exp) hands the hook a tensor
+    whose grad_fn is the node saving it; holding that tensor closed a cycle through C++ that
+    gc cannot free, and the whole graph (every activation) lived on for good."""
+    x = torch.randn(1000, requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (x * 2).exp() * 3
+
+    g = remat(f) if wrap == "remat" else f
+    g(x)  # a first call traces
+    with _Outputs() as outputs:
+        assert saved_tensor_bytes(g, x) > 0
+    gc.collect()
+    alive = [s for s in (ref() for ref in outputs.made) if s is not None]
+    assert outputs.made and all(s.data_ptr() == x.untyped_storage().data_ptr() for s in alive)  # x's own, no other
