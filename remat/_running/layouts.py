@@ -8,7 +8,8 @@ go wrong is the rest of the graph, traced under the wrong belief (autocast inser
 only where it sees another dtype; `as_strided` reads memory order). So the first run of
 each graph of a plan goes node by node and compares every value with what was traced:
 - an op whose inputs were as traced may differ (the meta function's mistake): accepted,
-  and its value marked;
+  and its value marked (CUDA's memory-efficient attention gives its dropout seed and offset
+  on the CPU where its meta function says the GPU; its backward op takes them as they are);
 - an op that reads a marked value and itself differs from the trace is where the graph
   parts from eager code: RematError, naming both ops and lines;
 - a value whose strides differ and that an `as_strided` reads: RematError likewise.
@@ -80,7 +81,7 @@ class _LayoutCheck(torch.fx.Interpreter):
                 self.differs[n] = upstream
             return out
         if out.shape != traced.shape or out.dtype != traced.dtype or out.device.type != traced.device.type:
-            if (upstream is not None and not is_view(n)) or out.device.type != traced.device.type:
+            if upstream is not None and not is_view(n):
                 origin = upstream or n
                 raise RematError(
                     f"remat({self.region}): `{op}` at {_source(n)} gave {_describe_layout(out)} where it was traced as "
