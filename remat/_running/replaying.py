@@ -42,7 +42,13 @@ from remat.policies import MemoryBudget, nothing_saveable
 from .._core.errors import RematError
 from .._core.nodes import overwrites, writes_in_place, written_values
 from .._core.residuals import Recompute, Residual
-from .._core.torch_internals import SacEntry, inner_tensors, local_tensor, selective_checkpoint_contexts
+from .._core.torch_internals import (
+    SacEntry,
+    inner_tensors,
+    local_tensor,
+    replays_supported,
+    selective_checkpoint_contexts,
+)
 from .._partition.compiling import NAMED_COPY, Decisions
 from .._partition.costs import nbytes_of, op_flops
 from .._trace.failures import user_line
@@ -82,6 +88,9 @@ class KeptMemory:
 Observe = Callable[[list[Residual], list[Recompute], KeptMemory], None]
 
 
+_REPLAYS_SUPPORTED = replays_supported()
+
+
 def replay(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -92,6 +101,12 @@ def replay(
 ) -> Any:
     """`fn(*args, **kwargs)` as a checkpointed region under `policy`, op by op; `observe`
     (for remat.report) is told what the call keeps and what its backward recomputes."""
+    if not _REPLAYS_SUPPORTED:
+        raise RematError(
+            f"remat({region}) cannot be traced, so it must run replayed (as torch.utils.checkpoint runs it), "
+            f"which needs torch 2.13 or newer; this is torch {torch.__version__}. Upgrade torch, or make the "
+            "region traceable (the RematFallbackWarning before this says why it is not)."
+        )
     roots = roots_of(fn, [(f"args[{i}]", a) for i, a in enumerate(args)] + list(kwargs.items()))
     observed = None
     if observe is not None:
