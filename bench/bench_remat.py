@@ -62,6 +62,8 @@ GRAD_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-
 EXCESS_OVER_FLOPS_LIMIT = 0.10
 # The per-call overhead of remat on a cache hit is "small" below this share of one block's step.
 CACHE_HIT_LIMIT = 0.05
+# dots_with_no_batch_dims_saveable against no checkpointing: at least this much less kept, at most this much slower.
+DOTS_NO_BATCH_LESS_KEPT, DOTS_NO_BATCH_MORE_TIME = 0.60, 0.05
 
 
 # --------------------------------------------------------------------------- sizes
@@ -230,7 +232,10 @@ REMAT_POLICIES = {
     "dots_saveable": P.dots_saveable,
     "dots_with_no_batch_dims_saveable": P.dots_with_no_batch_dims_saveable,
     "everything_saveable": P.everything_saveable,
+    "memory_budget_0.5": P.memory_budget(0.5),
 }
+# Offload only where there is a device to offload from: on CPU it would copy host to host.
+OFFLOAD_POLICIES = {"offload_dot_with_no_batch_dims": P.offload_dot_with_no_batch_dims(offload_src="cuda")}
 
 # variant -> the variant it is measured against (same memory/recompute trade-off).
 PEERS = {
@@ -244,7 +249,7 @@ LABELS = {
     "tuc": "torch.utils.checkpoint (non-reentrant)",
     "tuc_sac_dots": "torch.utils.checkpoint + SAC (save mm/addmm/bmm/baddbmm)",
     "torch_remat": "torch_remat.checkpoint (no annotations)",
-    **{f"remat_{name}": f"remat {name}" for name in REMAT_POLICIES},
+    **{f"remat_{name}": f"remat {name}" for name in (*REMAT_POLICIES, *OFFLOAD_POLICIES)},
 }
 
 
@@ -266,7 +271,7 @@ def torch_remat_status() -> dict[str, Any]:
     return {"available": True, "version": getattr(torch_remat, "__version__", "unknown"), "note": ""}
 
 
-def build_variants(block: Callable[..., torch.Tensor], with_torch_remat: bool) -> list[Variant]:
+def build_variants(block: Callable[..., torch.Tensor], with_torch_remat: bool, device: torch.device) -> list[Variant]:
     """Every variant over one block function; remat wrappers are created once, called per block."""
     sac_context = functools.partial(create_selective_checkpoint_contexts, sac_dots_policy)
     variants = [
@@ -274,7 +279,8 @@ def build_variants(block: Callable[..., torch.Tensor], with_torch_remat: bool) -
         Variant("tuc", lambda x, p: checkpoint(block, x, p, use_reentrant=False)),
         Variant("tuc_sac_dots", lambda x, p: checkpoint(block, x, p, use_reentrant=False, context_fn=sac_context)),
     ]
-    for name, policy in REMAT_POLICIES.items():
+    policies = {**REMAT_POLICIES, **(OFFLOAD_POLICIES if device.type == "cuda" else {})}
+    for name, policy in policies.items():
         variants.append(Variant(f"remat_{name}", remat.remat(block, policy=policy), remat_policy=name))
     if with_torch_remat:
         import torch_remat  # type: ignore[import-not-found]
@@ -364,13 +370,16 @@ class _ForwardStorages(TorchDispatchMode):
                 self.refs.append((weakref.ref(storage), storage.nbytes()))
         return out
 
-    def live_bytes(self, exclude: Sequence[torch.Tensor] = ()) -> int:
-        """Bytes of the distinct live storages, less those of `exclude` (which existed before)."""
+    def live_bytes(self, exclude: Sequence[torch.Tensor] = (), device_type: str | None = None) -> int:
+        """Bytes of the distinct live storages (on `device_type` when given), less those of
+        `exclude` (which existed before)."""
         excluded = {t.untyped_storage().data_ptr() for t in exclude}
         live: dict[int, int] = {}
         for ref, nbytes in self.refs:
             storage = ref()
-            if storage is not None and nbytes and storage.data_ptr() not in excluded:
+            if storage is None or not nbytes or storage.data_ptr() in excluded:
+                continue
+            if device_type is None or storage.device.type == device_type:
                 live[storage.data_ptr()] = nbytes
         return sum(live.values())
 
@@ -385,6 +394,7 @@ def kept_bytes(call: Callable[..., torch.Tensor], wl: Workload, device: torch.de
     saved-tensor hooks, so it is blind to what torch.utils.checkpoint keeps behind its own
     hooks; it also counts the inputs and parameters kept by reference.
     `kept_allocated_bytes` (CUDA): allocator growth across the forward, output excluded.
+    `kept_host_bytes` (CUDA): the part of `kept_bytes` waiting in host memory (offloaded).
     """
     gc.collect()
     synchronize(device)
@@ -396,6 +406,7 @@ def kept_bytes(call: Callable[..., torch.Tensor], wl: Workload, device: torch.de
     if device.type == "cuda":
         synchronize(device)
         result["kept_allocated_bytes"] = torch.cuda.memory_allocated(device) - before - out.untyped_storage().nbytes()
+        result["kept_host_bytes"] = tracker.live_bytes(exclude=[out, *wl.leaves], device_type="cpu")
     del out, tracker
     gc.collect()
     with warnings.catch_warnings():  # it warns for the peers' own hooks: this table says what it misses
@@ -609,7 +620,7 @@ def timing_rounds(
 def measure_workload(name: str, size: Size, device: torch.device, args: argparse.Namespace, with_torch_remat: bool) -> dict[str, Any]:
     """All figures for one workload: correctness first, then memory, FLOPs, time, tracing."""
     wl = build_workload(name, size, device, args.seed)
-    variants = build_variants(wl.block, with_torch_remat)
+    variants = build_variants(wl.block, with_torch_remat, device)
     log(f"{name}: {wl.description}; {size.layers} layers, d_model {size.d_model}, seq {size.seq}, batch {size.batch}, {size.dtype}")
     reference = [g.detach().clone() for g in step(wl.block, wl)]
     gc.collect()  # earlier workloads' garbage must not be frozen with what lives on
@@ -765,6 +776,16 @@ def judge_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 f"{row['excess_ms']:.1f} ms beyond the matmul recompute ({share:.0%} of a none step): "
                 "non-matmul recompute and per-op framework work",
             ))
+        if timed("remat_dots_with_no_batch_dims_saveable", "none"):
+            row = rows["remat_dots_with_no_batch_dims_saveable"]
+            less, slower = 1 - row["kept_bytes"] / rows["none"]["kept_bytes"], row["ratio_vs_none"] - 1
+            met = less >= DOTS_NO_BATCH_LESS_KEPT and slower <= DOTS_NO_BATCH_MORE_TIME
+            targets.append(Target(
+                f"dots_with_no_batch_dims_saveable keeps at least {DOTS_NO_BATCH_LESS_KEPT:.0%} less than none "
+                f"at most {DOTS_NO_BATCH_MORE_TIME:.0%} slower",
+                wname, met, {"kept_less_share": less, "slower_share": slower},
+                "" if met else f"keeps {less:.0%} less, {slower:.1%} slower than none",
+            ))
         block_us = w["block_step_ms"] * 1e3
         small = overhead_us <= CACHE_HIT_LIMIT * block_us
         targets.append(Target(
@@ -860,10 +881,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results["cache_hit_overhead"] = cache_hit_overhead(device, size.tiny_calls, args.clock)
     for name in args.workloads:
         results["workloads"][name] = measure_workload(name, size, device, args, peer["available"])
-    results["targets"] = judge_targets(results)
-    results["elapsed_s"] = time.perf_counter() - started
-    results["machine"]["load_average_at_end"] = os.getloadavg()
+        results["targets"] = judge_targets(results)
+        results["elapsed_s"] = time.perf_counter() - started
+        results["machine"]["load_average_at_end"] = os.getloadavg()
+        write_json(results, args.out)  # a run cut short (a lent GPU's time limit) keeps its finished workloads
     return results
+
+
+def write_json(results: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1) + "\n")
 
 
 # --------------------------------------------------------------------------- markdown
@@ -910,23 +937,31 @@ def render_result(r: dict[str, Any]) -> list[str]:
                 f"| {row['kept_bytes'] / MIB:.2f} | {row['saved_tensor_bytes'] / MIB:.2f} | {_fmt(row.get('extra_flops', 0) / 1e9, '.2f')} | {grads} |"
             )
     if r["device"].startswith("cuda"):
-        lines += ["", "CUDA peak of one step above what was held before it (MiB):", "",
-                  "| workload | " + " | ".join(next(iter(r["workloads"].values()))["variants"]) + " |",
-                  "|---|" + "---:|" * len(next(iter(r["workloads"].values()))["variants"])]
+        lines += ["", "CUDA memory per variant (MiB): the peak of one step above what was held before it "
+                  "(`torch.cuda.max_memory_allocated`), the allocator's growth over the forward (what the "
+                  "device keeps for backward), and what waits in pinned host memory:", "",
+                  "| workload | variant | CUDA peak | device kept | host kept |", "|---|---|---:|---:|---:|"]
         for wname, w in r["workloads"].items():
-            lines.append(f"| {wname} | " + " | ".join(_fmt(row["cuda_peak_bytes"] / MIB if "cuda_peak_bytes" in row else None, ".0f") for row in w["variants"].values()) + " |")
+            for row in w["variants"].values():
+                if row.get("error"):
+                    continue
+                cells = [row.get("cuda_peak_bytes"), row.get("kept_allocated_bytes"), row.get("kept_host_bytes")]
+                mib = " | ".join(_fmt(c / MIB if c is not None else None, ".0f") for c in cells)
+                lines.append(f"| {wname} | {row['label']} | {mib} |")
     oh = r["cache_hit_overhead"]
+    traced = list(dict.fromkeys(p for w in r["workloads"].values() for p in w["trace"]))
     lines += [
         "",
         "### remat's own costs",
         "",
         "First call of a new wrapper (traces) minus its second call (cache hit), one block, forward only, wall ms:",
         "",
-        "| workload | " + " | ".join(REMAT_POLICIES) + " | one block's `none` step |",
-        "|---|" + "---:|" * (len(REMAT_POLICIES) + 1),
+        "| workload | " + " | ".join(traced) + " | one block's `none` step |",
+        "|---|" + "---:|" * (len(traced) + 1),
     ]
     for wname, w in r["workloads"].items():
-        lines.append(f"| {wname} | " + " | ".join(f"{w['trace'][p]['trace_ms']:.0f}" for p in REMAT_POLICIES) + f" | {w['block_step_ms']:.1f} |")
+        ms = " | ".join(_fmt(w["trace"][p]["trace_ms"] if p in w["trace"] else None, ".0f") for p in traced)
+        lines.append(f"| {wname} | {ms} | {w['block_step_ms']:.1f} |")
     lines += [
         "",
         f"Cache hit, {oh['function']}, median µs per call ({oh['clock']} clock): plain {oh['plain_us']:.0f}, "
@@ -954,7 +989,8 @@ def render_markdown(results: list[dict[str, Any]], sources: list[str], notes: st
         "",
         "Variants per block: none; torch.utils.checkpoint non-reentrant (peer of remat nothing_saveable); "
         "torch.utils.checkpoint + selective checkpointing keeping mm/addmm/bmm/baddbmm (peer of remat "
-        "dots_saveable); remat with each built-in policy. '× peer' compares with that peer; 'kept MiB' is "
+        "dots_saveable); remat with each built-in policy, memory_budget(0.5) and (on CUDA) "
+        "offload_dot_with_no_batch_dims. '× peer' compares with that peer; 'kept MiB' is "
         "the exact count described under each table; 'extra GFLOP' is matmul/attention work beyond `none` "
         "(the recompute); 'outside kernels ms' is the part of one profiled step spent outside aten kernels "
         "(Python, autograd engine, hooks, dispatch modes; CPU runs only).",
@@ -1012,8 +1048,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sources = [str(p) for p in args.from_json]
     else:
         result = run(args)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_json(result, args.out)
         log(f"wrote {args.out} ({result['elapsed_s']:.0f} s)")
         for t in result["targets"]:
             log(f"target {'met' if t['met'] else 'MISSED'}: {t['name']} [{t['workload']}] {t['detail']}")
@@ -1085,7 +1120,7 @@ def saved_bytes(forward: Callable[..., torch.Tensor], wl: Workload) -> int:
         storage = t.untyped_storage()
         if storage.data_ptr() not in leaves:
             storages[storage.data_ptr()] = storage.nbytes()
-        return t
+        return t.detach()  # not t: a saved output's grad_fn is the node saving it, a cycle no gc frees
 
     gc.collect()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -199,9 +199,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # Inductor's cache in a directory of this session's own: a run beside another (or a
-    # stale cache of another torch) cannot race on or poison the shared default one.
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="remat-tests-inductor-"))
+    # Inductor's cache in a directory of this session's own (of each pytest-xdist worker's
+    # own: workers inherit the controller's environment): a run beside another (or a stale
+    # cache of another torch) cannot race on or poison the shared default one.
+    if "PYTEST_XDIST_WORKER" in os.environ or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="remat-tests-inductor-")
     for name, what in SWEEPS.items():
         config.addinivalue_line("markers", f"{name}: an oracle sweep: {what}")
     config.addinivalue_line("markers", "sweep: any oracle sweep (added to every test under one of the sweeps' markers)")

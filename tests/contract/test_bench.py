@@ -54,7 +54,8 @@ def test_every_variant_ran_on_every_workload(tiny_results: dict[str, Any]) -> No
         for variant, row in workload["variants"].items():
             assert row["error"] is None, (name, variant, row["error"])
             assert row["step_ms"] > 0 and row["kept_bytes"] >= 0, (name, variant)
-        assert set(workload["trace"]) == {"nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable"}
+        assert set(workload["trace"]) == {"nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable", "everything_saveable",
+                                          "memory_budget_0.5"}
         assert all(t["traced"] for t in workload["trace"].values()), name
 
 
