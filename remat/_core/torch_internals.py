@@ -423,6 +423,16 @@ _KERNEL_SWITCHES = tuple(
 _priority_order = getattr(torch._C, "_get_sdp_priority_order", lambda: ())
 
 
+def factory_defaults() -> tuple[Any, ...]:
+    """The dtype and device factories such as `torch.ones(3)` use when not told (torch 2.13
+    and 2.11: `set_default_dtype`, `set_default_device`, `with torch.device(...)`), which a
+    trace writes into its graph. The device is read only while a torch-function mode is on
+    (a device context is one): reading it costs microseconds, the check nanoseconds."""
+    if not torch._C._is_torch_function_mode_enabled():
+        return (torch.get_default_dtype(),)
+    return (torch.get_default_dtype(), str(torch.get_default_device()))
+
+
 def kernel_choices() -> tuple[Any, ...]:
     """The switches that choose which ops composites trace to (see above), as a key part."""
     return (*(get() for get in _KERNEL_SWITCHES), tuple(_priority_order()))

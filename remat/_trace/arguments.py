@@ -28,6 +28,7 @@ from .._core.sources import is_installed_code, is_user_class
 from .._core.torch_internals import (
     autocast_state,
     is_expanded_weight,
+    factory_defaults,
     is_transform_wrapped,
     kernel_choices,
     nested_gradients,
@@ -100,6 +101,7 @@ class Call:
             "nested gradients",
             "autocast",
             "kernel choices (torch.backends: SDPA backends, cuDNN, oneDNN, deterministic algorithms)",
+            "default dtype and device of factories",
         ]
 
     def storage_offsets(self) -> tuple[int, ...]:
@@ -290,6 +292,7 @@ def _with_captured(
     key.append(transforms and nested_gradients())  # no transforms: no nesting, and a cheaper answer
     key.append(autocast_state())
     key.append(kernel_choices())  # which fused kernels composites pick (attention, batch norm)
+    key.append(factory_defaults())  # the dtype and device `torch.ones(3)` gets
     return Call(tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key), leaf_paths)
 
 

@@ -648,3 +648,35 @@ def test_a_call_under_other_kernel_switches_runs_the_kernels_eager_code_runs() -
         with sdpa_kernel(kernel):
             outputs.append(_attention(q))
     assert not torch.equal(*outputs)  # the choice matters here: a stale plan could not pass
+
+
+def _factory(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.linspace(0, 1, 3) * x).sin(), torch.ones(2)
+
+
+def test_a_call_under_another_default_dtype_or_device_makes_what_eager_code_makes() -> None:
+    """A factory not told its dtype or device (`torch.ones(2)`) takes the defaults of the
+    call: `set_default_dtype`, `with torch.device(...)`. The same wrapper under other
+    defaults must make what eager code makes, not what the first call's trace wrote."""
+    f = remat(_factory)
+    x = torch.randn(3, dtype=D, requires_grad=True)
+    previous = torch.get_default_dtype()
+    try:
+        for default in (torch.float32, torch.float64, torch.float32):
+            torch.set_default_dtype(default)
+            actual, expected = f(x), _factory(x)
+            assert_close(actual, expected)
+            assert_close(torch.autograd.grad(actual[0].sum(), x), torch.autograd.grad(expected[0].sum(), x))
+    finally:
+        torch.set_default_dtype(previous)
+    assert f.cache_info()["traces"] == 2  # float32, float64
+
+    def made(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x.sin(), torch.ones(2)
+
+    g = remat(made)
+    assert g(x)[1].device.type == "cpu"
+    with torch.device("meta"):
+        assert g(x)[1].device.type == made(x)[1].device.type == "meta"
+    assert g(x)[1].device.type == "cpu"
+    assert g.cache_info()["traces"] == 2  # and one under the device context

@@ -133,9 +133,9 @@ def test_fast_and_general_split_agree_under_modes_and_transforms() -> None:
     torch.func.grad(under)(x.detach(), w)  # x wrapped at a grad level: needs grad there only
     torch.func.grad(torch.func.grad(lambda x: under(x, w)))(torch.tensor(1.5))
     torch.func.vmap(lambda x: under(x, w[0]))(torch.randn(2, 3))
-    assert len(keys) == 3 and all(k[-5] for k in keys)  # transforms were active
+    assert len(keys) == 3 and all(k[-6] for k in keys)  # transforms were active
     assert keys[0][1][-1] is True  # the wrapped x needs grad at its level
-    assert keys[1][-3] is True  # nested gradients
+    assert keys[1][-4] is True  # nested gradients
 
 
 def test_fast_path_declines_what_it_does_not_cover() -> None:
