@@ -27,8 +27,8 @@ from .._core.locking import TRACE_LOCK
 from .._core.sources import is_installed_code, is_user_class
 from .._core.torch_internals import (
     autocast_state,
-    is_expanded_weight,
     factory_defaults,
+    is_expanded_weight,
     is_transform_wrapped,
     kernel_choices,
     nested_gradients,
