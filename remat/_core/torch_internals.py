@@ -401,9 +401,10 @@ _NO_AUTOCAST = ("no autocast",)
 
 # Global switches that decide which aten ops a composite traces to (torch 2.13 and 2.11,
 # torch/backends): scaled_dot_product_attention picks its fused kernel (flash, memory-
-# efficient, cuDNN, math, in this priority order) and batch_norm its implementation when it
-# is called. A plan traced under one choice replayed under another would run other kernels,
-# with other dropout draws, than eager code: the choice is part of what a plan depends on.
+# efficient, cuDNN, math, in this priority order), batch_norm its implementation and einsum
+# its contraction order when it is called. A plan traced under one choice replayed under
+# another would run other kernels, with other dropout draws, than eager code: the choice is
+# part of what a plan depends on.
 _KERNEL_SWITCHES = tuple(
     getattr(torch._C, name)
     for name in (
@@ -421,6 +422,14 @@ _KERNEL_SWITCHES = tuple(
     if hasattr(torch._C, name)
 )
 _priority_order = getattr(torch._C, "_get_sdp_priority_order", lambda: ())
+# einsum's contraction order, chosen when it is called from `torch.backends.opt_einsum`'s
+# `enabled` and `strategy`. That module is a PropModule whose class declares neither (torch
+# 2.13 and 2.11): what code sets lands in the module object's own dict, what it does not set
+# is read through __getattr__ from the original module's globals (2 µs); read here from both
+# dicts directly, as einsum's attribute lookup finds them.
+_OPT_EINSUM_SET = torch.backends.opt_einsum.__dict__
+_OPT_EINSUM_DEFAULT = torch.backends.opt_einsum._get_enabled.__globals__
+_MHA = torch.backends.mha  # nn.MultiheadAttention's fused inference path, chosen in its Python
 
 
 def factory_defaults() -> tuple[Any, ...]:
@@ -435,7 +444,13 @@ def factory_defaults() -> tuple[Any, ...]:
 
 def kernel_choices() -> tuple[Any, ...]:
     """The switches that choose which ops composites trace to (see above), as a key part."""
-    return (*(get() for get in _KERNEL_SWITCHES), tuple(_priority_order()))
+    return (
+        *(get() for get in _KERNEL_SWITCHES),
+        tuple(_priority_order()),
+        _OPT_EINSUM_SET.get("enabled", _OPT_EINSUM_DEFAULT["enabled"]),
+        _OPT_EINSUM_SET.get("strategy", _OPT_EINSUM_DEFAULT["strategy"]),
+        _MHA._is_fastpath_enabled,
+    )
 
 
 @contextlib.contextmanager

@@ -680,3 +680,24 @@ def test_a_call_under_another_default_dtype_or_device_makes_what_eager_code_make
         assert g(x)[1].device.type == made(x)[1].device.type == "meta"
     assert g(x)[1].device.type == "cpu"
     assert g.cache_info()["traces"] == 2  # and one under the device context
+
+
+def _contract(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("ij,jk,kl->il", a, b, c)
+
+
+def test_einsum_contracts_in_the_order_its_switch_says_at_the_call() -> None:
+    """`torch.backends.opt_einsum.enabled` decides einsum's contraction order when it is
+    called: (a b) c or a (b c) round differently in float32."""
+    f = remat(_contract)
+    a, b, c = (torch.randn(s, requires_grad=True) for s in [(40, 3), (3, 50), (50, 60)])
+    results = []
+    with torch.backends.opt_einsum.flags(enabled=True):
+        assert torch.equal(f(a, b, c), _contract(a, b, c))
+        results.append(_contract(a, b, c))
+    with torch.backends.opt_einsum.flags(enabled=False):
+        actual, expected = f(a, b, c), _contract(a, b, c)
+        assert torch.equal(actual, expected)
+        assert_close(torch.autograd.grad(actual.sum(), [a, b, c]), torch.autograd.grad(expected.sum(), [a, b, c]))
+        results.append(expected)
+    assert not torch.equal(*results)  # the order matters here: a stale plan could not pass
