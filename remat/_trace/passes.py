@@ -56,6 +56,31 @@ _FUNCTIONAL_FILLS = set(_RANDOM_FILLS.values())
 _RANDOM_FROM = getattr(_aten.random, "from")  # a Python keyword
 
 
+_RANDOM_LIKES = frozenset(
+    getattr(op, name) for op in (_aten.rand_like, _aten.randn_like, _aten.randint_like) for name in op.overloads()
+    if "out" not in name
+)
+
+
+def random_likes_in_traced_layout(gm: torch.fx.GraphModule) -> None:
+    """Before functionalization: `rand_like(x)` lays its draw out as `x` is laid out in memory
+    (preserve_format), and draws in memory order. Functionalization may give `x` other
+    strides than eager code's (a value changed in place through a transposed view comes
+    back as a scatter into that view, transposed under vmap), which puts the same numbers on
+    other elements. So the layout eager code drew into, read from the trace, is written on
+    the op: contiguous or channels_last (any other layout is left as it is)."""
+    for node in gm.graph.nodes:
+        if node.target not in _RANDOM_LIKES or node.kwargs.get("memory_format") not in (None, torch.preserve_format):
+            continue
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.layout is not torch.strided:
+            continue
+        for layout in (torch.contiguous_format, torch.channels_last):
+            if (layout is torch.contiguous_format or val.dim() == 4) and val.is_contiguous(memory_format=layout):
+                node.kwargs = {**node.kwargs, "memory_format": layout}
+                break
+
+
 def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
     """Before functionalization: a random fill of a fresh tensor (`empty_like(x).bernoulli_(p)`,
     as dropout and SDPA's dropout on CPU do; or of any value the function computed, which

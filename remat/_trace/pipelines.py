@@ -20,6 +20,7 @@ from .passes import (
     inner_backwards_as_eager,
     random_fills_in_memory_order,
     random_from_as_random_to,
+    random_likes_in_traced_layout,
     rrelu_as_product,
     shape_only_factories,
 )
@@ -37,6 +38,7 @@ def stage_one_passes(
     noise, `random.from`). Returns the new graph; refuses one that holds an opaque object."""
     refuse_opaque_objects(gm, fn_name)
     random_fills_in_memory_order(gm)
+    random_likes_in_traced_layout(gm)
     autocast_casts_of_leaves_cached(gm, leaves_needing_grad)
     grad_free_values_as_constants(gm)
     inner_backwards_as_eager(gm)
