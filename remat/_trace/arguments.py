@@ -316,18 +316,24 @@ class CaptureMemo:
     to find it (its code, closure cells' contents, the globals its code names). While
     each is the same object and none is one collect_captured walks into (containers,
     modules, partials, methods, the user's functions), the same walk would find the same
-    things: a call reads those objects and compares identities instead of walking."""
+    things: a call reads those objects and compares identities instead of walking. For a
+    module, or a module's bound method (what `checkpoint_layers` wraps), the module's part
+    of the walk is checked by a ModuleSnapshot instead."""
 
     __slots__ = ("last", "last_module")
 
     def __init__(self) -> None:
         self.last: tuple[tuple[Any, ...], Collected] | None = None  # one attribute: swapped atomically
-        self.last_module: tuple[ModuleSnapshot, Collected] | None = None  # for a module: the same, by ModuleSnapshot
+        # for a module or its bound method: the same, by ModuleSnapshot and the method's roots
+        self.last_module: tuple[ModuleSnapshot, tuple[Any, ...], Collected] | None = None
 
-    def lookup_module(self, module: torch.nn.Module) -> Collected | None:
+    def lookup_module(self, module: torch.nn.Module, roots: tuple[Any, ...]) -> Collected | None:
         last = self.last_module
-        if last is not None and last[0].module is module and last[0].unchanged():
-            return last[1]
+        if (
+            last is not None and last[0].module is module and len(last[1]) == len(roots)
+            and all(map(operator.is_, last[1], roots)) and last[0].unchanged()
+        ):
+            return last[2]
         return None
 
     def lookup(self, roots: tuple[Any, ...]) -> Collected | None:
@@ -354,6 +360,27 @@ def _roots(fn: types.FunctionType) -> tuple[Any, ...] | None:
     except ValueError:
         return None
     return (code, namespace, *contents, *[namespace.get(name, _ABSENT) for name in _names_of(code).globals])
+
+
+def _module_and_roots(fn: Callable[..., Any]) -> tuple[torch.nn.Module, tuple[Any, ...]] | None:
+    """For a module, or a module's bound method whose function is a plain one: the module
+    a ModuleSnapshot watches, and the other objects the walk of `fn` reads (the method's
+    function and, unless it is installed code, which the walk does not look into, the
+    objects `_roots` names). None where the walk goes further (a closure or global it
+    walks into)."""
+    if isinstance(fn, torch.nn.Module):
+        return fn, ()
+    if type(fn) is not types.MethodType or not isinstance(fn.__self__, torch.nn.Module):
+        return None
+    function = fn.__func__
+    if type(function) is not types.FunctionType:
+        return None
+    if is_installed_code(function.__code__):
+        return fn.__self__, (function,)
+    roots = _roots(function)
+    if roots is None or any(map(_walked_into, roots[2:])):
+        return None
+    return fn.__self__, (function, *roots)
 
 
 def _forward_globals(module: torch.nn.Module) -> tuple[dict[str, Any], tuple[str, ...]] | None:
@@ -485,27 +512,29 @@ def _reader(keys: tuple[str, ...]) -> Callable[[dict[str, Any]], tuple[Any, ...]
 def _collect_consistently(fn: Callable[..., Any], memo: CaptureMemo | None = None) -> Collected:
     """collect_captured, never in the middle of another thread's trace (which would hand
     out its stand-ins): lock-free unless a substitution started or ended meanwhile. With
-    a memo, a plain function whose reachable objects are unchanged is not walked again
-    (a stand-in put in its closure is another object, so it never matches), nor a module
-    whose ModuleSnapshot is unchanged."""
+    a memo, a plain function whose reachable objects are unchanged is not walked again,
+    nor a module, or a module's bound method, whose ModuleSnapshot (and, for the method,
+    its function's roots) is unchanged (a stand-in put in its closure is another object,
+    so it never matches)."""
     roots = _roots(fn) if memo is not None and type(fn) is types.FunctionType else None
     if roots is not None:
         found = memo.lookup(roots)  # type: ignore[union-attr]
         if found is not None:
             return found
     snapshot = None
-    if memo is not None and isinstance(fn, torch.nn.Module):
-        found = memo.lookup_module(fn)
+    parts = _module_and_roots(fn) if memo is not None and roots is None else None
+    if parts is not None:
+        found = memo.lookup_module(*parts)  # type: ignore[union-attr]
         if found is not None:
             return found
-        snapshot = ModuleSnapshot(fn)
+        snapshot = ModuleSnapshot(parts[0])
     before = _SUBSTITUTING.count
     found = collect_captured(fn)
     if before % 2 == 0 and _SUBSTITUTING.count == before:
         if roots is not None:
             memo.remember(roots, found)  # type: ignore[union-attr]
         elif snapshot is not None and snapshot.unchanged():  # the walk read what the snapshot holds
-            memo.last_module = (snapshot, found)  # type: ignore[union-attr]
+            memo.last_module = (snapshot, parts[1], found)  # type: ignore[union-attr,index]
         return found
     with TRACE_LOCK:
         return collect_captured(fn)

@@ -11,8 +11,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from remat import checkpoint_layers, remat
 from remat import policies as P
-from remat import remat
 
 from conftest import assert_close
 
@@ -149,9 +149,11 @@ CHANGES: dict[str, list[Callable[[torch.nn.Sequential], None]]] = {
 
 @pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.dots_saveable], ids=["none", "nothing", "dots"])
 @pytest.mark.parametrize("change", list(CHANGES))
-def test_a_change_between_calls_is_seen_as_without_remat(change: str, policy: Any) -> None:
+@pytest.mark.parametrize("of", ["module", "bound_forward"])
+def test_a_change_between_calls_is_seen_as_without_remat(change: str, policy: Any, of: str) -> None:
+    """`of`: a region of the module, or of its bound `forward` (what checkpoint_layers wraps)."""
     model = _model()
-    region = remat(model, policy=policy)
+    region = remat(model if of == "module" else model.forward, policy=policy)
     x = torch.randn(3, 4, dtype=D)
     for _ in range(3):  # warm: traced, then runs from the plan
         assert_close(_step(model, region, x), _step(model, model, x))
@@ -173,3 +175,70 @@ def test_dropout_follows_train_and_eval() -> None:
         expected = _step(model, model, x)
         torch.manual_seed(1)
         assert_close(_step(model, region, x), expected)
+
+
+_OFFSET = torch.zeros(2, dtype=D)
+
+
+class _Block(torch.nn.Module):
+    """A layer of the user's code: its forward reads a global tensor and a setting."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2, dtype=D)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale + _OFFSET
+
+
+def _rebind_global(block: _Block) -> None:
+    global _OFFSET
+    _OFFSET = torch.randn(2, dtype=D)
+
+
+def _change_scale(block: _Block) -> None:
+    block.scale = 3.0
+
+
+def _replace_block_weight(block: _Block) -> None:
+    block.lin.weight = torch.nn.Parameter(torch.randn(2, 4, dtype=D))
+
+
+@pytest.mark.parametrize("change", [_rebind_global, _change_scale, _replace_block_weight], ids=lambda f: f.__name__[1:])
+def test_a_layer_under_checkpoint_layers_sees_changes_as_without_remat(change: Callable[[_Block], None]) -> None:
+    """checkpoint_layers wraps each layer's bound forward: a global its code reads, a setting
+    and a parameter, changed between calls, change the result as they do without remat."""
+    torch.manual_seed(0)
+    block = _Block()
+    checkpoint_layers([block], P.nothing_saveable)
+    eager = lambda x: _Block.forward(block, x)  # noqa: E731
+    x = torch.randn(3, 4, dtype=D)
+    for _ in range(3):
+        assert_close(_step(block, block, x), _step(block, eager, x))
+    change(block)
+    for _ in range(2):
+        assert_close(_step(block, block, x), _step(block, eager, x))
+
+
+_SHIFT = torch.zeros(2, dtype=D)
+
+
+class _Shifting(_Block):
+    def shifted(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + _SHIFT
+
+
+def test_a_region_of_another_bound_method_sees_its_globals_rebound() -> None:
+    """A region of a module's method other than `forward` reads that method's globals
+    afresh: a tensor rebound there between calls is seen."""
+    global _SHIFT
+    torch.manual_seed(0)
+    block = _Shifting()
+    region = remat(block.shifted, policy=P.nothing_saveable)
+    eager = lambda x: _Shifting.shifted(block, x)  # noqa: E731
+    x = torch.randn(3, 4, dtype=D)
+    for _ in range(3):
+        assert_close(_step(block, region, x), _step(block, eager, x))
+    _SHIFT = torch.randn(2, dtype=D)
+    assert_close(_step(block, region, x), _step(block, eager, x))
