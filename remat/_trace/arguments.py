@@ -323,7 +323,8 @@ class CaptureMemo:
     __slots__ = ("last", "last_module")
 
     def __init__(self) -> None:
-        self.last: tuple[tuple[Any, ...], Collected] | None = None  # one attribute: swapped atomically
+        # a function's roots, what the walk found, and snapshots of the modules among the roots
+        self.last: tuple[tuple[Any, ...], Collected, tuple[ModuleSnapshot, ...]] | None = None  # swapped atomically
         # for a module or its bound method: the same, by ModuleSnapshot and the method's roots
         self.last_module: tuple[ModuleSnapshot, tuple[Any, ...], Collected] | None = None
 
@@ -339,12 +340,9 @@ class CaptureMemo:
     def lookup(self, roots: tuple[Any, ...]) -> Collected | None:
         last = self.last
         if last is not None and len(last[0]) == len(roots) and all(map(operator.is_, last[0], roots)):
-            return last[1]
+            if not last[2] or all(snapshot.unchanged() for snapshot in last[2]):
+                return last[1]
         return None
-
-    def remember(self, roots: tuple[Any, ...], found: Collected) -> None:
-        if not any(map(_walked_into, roots[2:])):
-            self.last = (roots, found)
 
 
 _ABSENT = object()
@@ -360,6 +358,16 @@ def _roots(fn: types.FunctionType) -> tuple[Any, ...] | None:
     except ValueError:
         return None
     return (code, namespace, *contents, *[namespace.get(name, _ABSENT) for name in _names_of(code).globals])
+
+
+def _module_snapshots(roots: tuple[Any, ...]) -> tuple[ModuleSnapshot, ...] | None:
+    """Snapshots of the modules among a function's roots (a closure over a model's block,
+    `lambda t: block(t)`), or None where the walk goes into another kind of object (a
+    container, a partial, a user function or object), which nothing watches."""
+    walked = {id(root): root for root in roots[2:] if _walked_into(root)}
+    if not all(isinstance(root, torch.nn.Module) for root in walked.values()):
+        return None
+    return tuple(ModuleSnapshot(module) for module in walked.values())
 
 
 def _module_and_roots(fn: Callable[..., Any]) -> tuple[torch.nn.Module, tuple[Any, ...]] | None:
@@ -517,10 +525,12 @@ def _collect_consistently(fn: Callable[..., Any], memo: CaptureMemo | None = Non
     its function's roots) is unchanged (a stand-in put in its closure is another object,
     so it never matches)."""
     roots = _roots(fn) if memo is not None and type(fn) is types.FunctionType else None
+    watched = None
     if roots is not None:
         found = memo.lookup(roots)  # type: ignore[union-attr]
         if found is not None:
             return found
+        watched = _module_snapshots(roots)
     snapshot = None
     parts = _module_and_roots(fn) if memo is not None and roots is None else None
     if parts is not None:
@@ -531,8 +541,8 @@ def _collect_consistently(fn: Callable[..., Any], memo: CaptureMemo | None = Non
     before = _SUBSTITUTING.count
     found = collect_captured(fn)
     if before % 2 == 0 and _SUBSTITUTING.count == before:
-        if roots is not None:
-            memo.remember(roots, found)  # type: ignore[union-attr]
+        if watched is not None and all(snapshot.unchanged() for snapshot in watched):
+            memo.last = (roots, found, watched)  # type: ignore[union-attr,assignment]
         elif snapshot is not None and snapshot.unchanged():  # the walk read what the snapshot holds
             memo.last_module = (snapshot, parts[1], found)  # type: ignore[union-attr,index]
         return found

@@ -149,11 +149,13 @@ CHANGES: dict[str, list[Callable[[torch.nn.Sequential], None]]] = {
 
 @pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.dots_saveable], ids=["none", "nothing", "dots"])
 @pytest.mark.parametrize("change", list(CHANGES))
-@pytest.mark.parametrize("of", ["module", "bound_forward"])
+@pytest.mark.parametrize("of", ["module", "bound_forward", "closure"])
 def test_a_change_between_calls_is_seen_as_without_remat(change: str, policy: Any, of: str) -> None:
-    """`of`: a region of the module, or of its bound `forward` (what checkpoint_layers wraps)."""
+    """`of`: a region of the module, of its bound `forward` (what checkpoint_layers wraps),
+    or of a function that closes over it (`checkpoint(lambda t: block(t), x)`)."""
     model = _model()
-    region = remat(model if of == "module" else model.forward, policy=policy)
+    wrapped = {"module": model, "bound_forward": model.forward, "closure": lambda t: model(t)}[of]
+    region = remat(wrapped, policy=policy)
     x = torch.randn(3, 4, dtype=D)
     for _ in range(3):  # warm: traced, then runs from the plan
         assert_close(_step(model, region, x), _step(model, model, x))
