@@ -201,6 +201,26 @@ def vmap_randomness_different() -> bool:
     return any(i.key() == TransformType.Vmap and i.randomness() == "different" for i in retrieve_all_functorch_interpreters())
 
 
+def active_vmaps() -> list[tuple[int, str]]:
+    """(level, randomness) of every active vmap, outermost first (torch 2.13 and 2.11)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return []
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    return [
+        (i.level(), i.randomness())  # type: ignore[attr-defined]  # a VmapInterpreter's
+        for i in retrieve_all_functorch_interpreters()
+        if i.key() == TransformType.Vmap
+    ]
+
+
+def batched_within(t: torch.Tensor, level: int) -> bool:
+    """Whether vmap batches `t` at `level`, under any other torch.func wrappers (grad's) (torch 2.13)."""
+    functorch = torch._C._functorch
+    return any(functorch.is_batchedtensor(w) and functorch.maybe_get_level(w) == level for w in transform_levels(t))
+
+
 def batched_at(t: torch.Tensor, level: int) -> bool:
     """Whether vmap batches `t` at `level` (torch 2.13 and 2.11)."""
     functorch = torch._C._functorch

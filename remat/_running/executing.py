@@ -21,10 +21,12 @@ from .._core.errors import RematError
 from .._core.locking import TRACE_LOCK
 from .._core.nodes import DIFFERENTIABLE_KEY, is_random
 from .._core.torch_internals import (
+    active_vmaps,
     any_autocast_enabled,
     apply_function,
     autocast_off,
     batched_at,
+    batched_within,
     dispatch_modes_off,
     has_batched_level,
     innermost_vmap,
@@ -33,7 +35,7 @@ from .._core.torch_internals import (
 )
 from .._partition.partitioning import Partition, partition
 from .._trace.passes import without_absent_cotangents
-from .._trace.records import StageOne
+from .._trace.records import InPlaceWrite, StageOne
 from .._trace.tracing import vjp_of_graph
 from .graph_code import direct_code
 from .layouts import run_checked
@@ -280,10 +282,16 @@ def eager_under_vmap(stage_one: StageOne, inputs: Sequence[torch.Tensor]) -> boo
     - under `randomness="different"`, an in-place random fill: eager `empty_like(x).uniform_()`
       draws per element when `x` is batched, where remat's graph draws into a fresh tensor
       vmap does not batch; eager `torch.empty(3, 4).uniform_()` raises (an unbatched tensor
-      cannot be filled differently per element), which running the region as it is repeats."""
+      cannot be filled differently per element), which running the region as it is repeats;
+    - an in-place write of a value batched at some vmap's level into a tensor that is not
+      (eager code refuses it: "output with shape [3] doesn't match the broadcast shape
+      [2, 3]"), which remat's functional graph would compute: running the region as it is
+      raises as eager code does."""
     if torch.compiler.is_compiling() or not transforms_active():  # dynamo resuming after a break: no vmap
         return False
     if stage_one.fills_like and vmap_randomness_different() and any(has_batched_level(t) for t in inputs):
+        return True
+    if stage_one.in_place_writes and _writes_batched_into_unbatched(stage_one.in_place_writes, inputs):
         return True
     vmap = innermost_vmap()
     if vmap is None:
@@ -293,6 +301,19 @@ def eager_under_vmap(stage_one: StageOne, inputs: Sequence[torch.Tensor]) -> boo
     if all(batched) or not any(needs and not b for needs, b in zip(stage_one.input_needs_grad, batched)):
         return False
     return _output_of_unbatched_inputs(stage_one.graph, tuple(stage_one.output_differentiable), batched, randomness)
+
+
+def _writes_batched_into_unbatched(writes: Sequence[InPlaceWrite], inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether, at some active vmap's level, one of `writes` puts a batched value into an
+    unbatched tensor (a draw under `randomness="different"` is batched)."""
+    for level, randomness in active_vmaps():
+        batched = [batched_within(t, level) for t in inputs]
+        different = randomness == "different"
+        for write in writes:
+            target = (write.target_random and different) or any(batched[i] for i in write.target_inputs)
+            if not target and ((write.value_random and different) or any(batched[i] for i in write.value_inputs)):
+                return True
+    return False
 
 
 @functools.lru_cache(maxsize=256)

@@ -17,9 +17,10 @@ import torch
 import torch.fx
 
 from .._core.errors import RematTraceError
-from .._core.nodes import comes_after, source_line, written_values
+from .._core.nodes import comes_after, is_random, source_line, written_values
 from .._core.torch_internals import OpOverload
 from .passes import argument
+from .records import InPlaceWrite
 
 _aten = torch.ops.aten
 # Batch norms in training mode that update running statistics in place. All take
@@ -208,3 +209,32 @@ def outputs_for_mutations(gm: torch.fx.GraphModule, fn_name: str, input_paths: S
         outs = list(output.args[0])
         output.args = (outs + extra,)
     return mutated
+
+
+def in_place_writes(gm: torch.fx.GraphModule) -> tuple[InPlaceWrite, ...]:
+    """The in-place writes of a stage-1 graph before functionalization, each with the graph
+    inputs and random draws its written tensor and its other operands are computed from
+    (through every op, views included: under vmap an op's result is batched when an
+    operand is)."""
+    if not any(_mutated_arguments(n) for n in gm.graph.nodes):
+        return ()
+    reach: dict[torch.fx.Node, tuple[frozenset[int], bool]] = {}
+    for position, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+        reach[node] = (frozenset([position]), False)
+    writes: list[InPlaceWrite] = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        operands = [reach[a] for a in node.all_input_nodes if a in reach]
+        drawn = is_random(node)
+        reach[node] = (frozenset().union(*(r[0] for r in operands)), drawn or any(r[1] for r in operands))
+        for target in _mutated_arguments(node):
+            if not isinstance(target, torch.fx.Node) or target not in reach:
+                continue
+            others = [reach[a] for a in node.all_input_nodes if a is not target and a in reach]
+            writes.append(InPlaceWrite(
+                target_inputs=reach[target][0], target_random=reach[target][1],
+                value_inputs=frozenset().union(*(r[0] for r in others)),
+                value_random=drawn or any(r[1] for r in others),
+            ))
+    return tuple(writes)

@@ -25,6 +25,19 @@ class Scope:
 
 
 @dataclass(frozen=True)
+class InPlaceWrite:
+    """An in-place write the traced function makes, by what its operands are computed from:
+    the graph inputs (positions) and whether a random draw reaches the tensor written and
+    the other tensors the op reads (a random fill's own draw counts as read). Under vmap,
+    eager code refuses to write a batched value into an unbatched tensor."""
+
+    target_inputs: frozenset[int]
+    target_random: bool
+    value_inputs: frozenset[int]
+    value_random: bool
+
+
+@dataclass(frozen=True)
 class StageOne:
     """The stage-1 graph of one function and what it needs per call, built whole once
     stage 1 is done."""
@@ -51,6 +64,7 @@ class StageOne:
     changes_state: bool = False  # the trace changed an object the function reaches (warned)
     fills_like: bool = False  # a random fill of a tensor made like another (see _running/executing.eager_under_vmap)
     units: dict[int, Any] = field(default_factory=dict)  # custom autograd.Functions traced as units (`_trace/functions`)
+    in_place_writes: tuple[InPlaceWrite, ...] = ()  # before functionalization (see _running/executing.eager_under_vmap)
 
     def graph_inputs(self, call: Call) -> list[torch.Tensor]:
         """The call's tensors in this graph's input order: its arguments, the captured tensors

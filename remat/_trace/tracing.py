@@ -71,7 +71,7 @@ from .arguments import Call, needs_grad
 from .failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_line
 from .functions import UNIT_MARKERS, UNIT_OUTPUT, UnitRecorder, check_units, interiors, leaving_unit
 from .hooks import HookCall, HookRecorder
-from .mutations import outputs_for_mutations
+from .mutations import in_place_writes, outputs_for_mutations
 from .passes import (
     grad_free_write_as_value_with_grad,
     writes_in_place,
@@ -405,6 +405,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
                           needs_grad=[needs_grad(t) for t in call.tensors])
     _keep_used_captured(gm, n_explicit, call, slotted, inputs)
     _lift_constants(gm, call, fn_name, under_transform, inputs)
+    writes = in_place_writes(gm)
     gm = stage_one_passes(gm, [needs_grad(t) and t.is_leaf for t in originals], functionalized, fn_name)
     mutated = outputs_for_mutations(gm, fn_name, inputs.paths, inputs.needs_grad)
     gm.recompile()
@@ -430,6 +431,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         reads_storage_offsets=_reads_storage_offsets(gm),
         changes_state=bool(changes),
         units=dict(units.units) if units is not None else {},
+        in_place_writes=writes,
     )
 
 

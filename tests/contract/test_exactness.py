@@ -186,6 +186,79 @@ def test_a_fill_of_a_tensor_made_like_a_batched_one_draws_as_eager_under_vmap(tr
     assert_close(run(remat(f)), run(f))
 
 
+_CAPTURED_UNBATCHED = torch.randn(4, dtype=D)
+
+
+def _write_batched_into_unbatched(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    t = y.clone()
+    t.add_(x)  # x batched, y not: eager vmap refuses
+    return t * x
+
+
+def _write_through_a_view_of_an_unbatched_clone(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    t = y.clone()
+    t[:2].mul_(x[:2].sin())
+    return t + x
+
+
+def _write_into_a_clone_of_a_captured_tensor(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    t = _CAPTURED_UNBATCHED.clone()
+    t.copy_(x * y)
+    return t
+
+
+def _write_a_draw_into_an_unbatched_clone(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    t = y.clone()
+    t.add_(torch.randn_like(y))  # a batched draw under randomness="different"
+    return t * x
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [_write_batched_into_unbatched, _write_through_a_view_of_an_unbatched_clone,
+     _write_into_a_clone_of_a_captured_tensor, _write_a_draw_into_an_unbatched_clone],
+    ids=lambda f: f.__name__[1:],
+)
+@pytest.mark.parametrize("transform", ["vmap", "vmap_grad", "vmap_vmap"])
+def test_a_batched_value_written_into_an_unbatched_tensor_raises_as_eager_under_vmap(
+    fn: Callable[..., torch.Tensor], transform: str
+) -> None:
+    """Eager vmap refuses to write a value it batches into a tensor it does not (`x` is
+    batched, `y` is not); remat's functional graph could compute it: it raises as eager
+    code does, with torch's own error. Under two vmaps, `y` is batched by the outer one
+    only, `x` by the inner one. (`xs` requires grad: a region with nothing to differentiate
+    runs as it is anyway.)"""
+    xs, y = torch.randn(3, 4, dtype=D, requires_grad=True), torch.randn(4, dtype=D)
+
+    def run(f: Callable[..., torch.Tensor]) -> str:
+        torch.manual_seed(0)
+        with pytest.raises(RuntimeError) as raised:
+            if transform == "vmap":
+                vmap(f, in_dims=(0, None), randomness="different")(xs, y)
+            elif transform == "vmap_grad":
+                vmap(grad(lambda x, y: f(x, y).sum()), in_dims=(0, None), randomness="different")(xs, y)
+            else:
+                inner = vmap(f, in_dims=(0, None), randomness="different")
+                ys = torch.randn(2, 4, dtype=D, requires_grad=True)
+                vmap(inner, in_dims=(None, 0), randomness="different")(xs, ys)
+        return str(raised.value).splitlines()[0]
+
+    assert run(remat(fn)) == run(fn)
+
+
+def test_a_batched_value_written_into_a_batched_tensor_under_vmap_stays_traced() -> None:
+    """The same writes into tensors vmap batches are exact and traced (not run as they are)."""
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        t = x.clone()
+        t[:2].mul_(y[:2].sin())
+        return (t * y).sum()
+
+    xs, ys = torch.randn(3, 4, dtype=D), torch.randn(3, 4, dtype=D)
+    region = remat(f, policy=None)
+    assert_close(vmap(grad(region))(xs, ys), vmap(grad(f))(xs, ys))
+    assert region.cache_info()["traces"] == 1
+
+
 def test_vmap_default_randomness_raises_like_no_remat() -> None:
     fn = RANDOM_FUNCTIONS["rand"]
     xs, w = torch.randn(3, 5, 4, dtype=D), torch.randn(4, 4, dtype=D)
