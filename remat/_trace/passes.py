@@ -130,7 +130,8 @@ def autocast_casts_of_leaves_cached(gm: torch.fx.GraphModule, leaves: Sequence[b
     uses in the low dtype before one cast back. So the casts autocast made of each such
     input of the graph (`leaves`: per placeholder) in one lifetime of the cache (the
     number AUTOCAST_CAST_KEY holds; 0 with the cache off) become the first one, for the
-    same gradient, rounded the same."""
+    same gradient, rounded the same. A cast made with grad disabled is not one of them: eager
+    code's later casts with grad on do not read it (they are differentiable)."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for placeholder, leaf in zip(placeholders, leaves):
@@ -139,8 +140,9 @@ def autocast_casts_of_leaves_cached(gm: torch.fx.GraphModule, leaves: Sequence[b
             continue
         first: dict[Any, torch.fx.Node] = {}
         for user in list(placeholder.users):
-            lifetime = user.meta.get("custom", {}).get(AUTOCAST_CAST_KEY)
-            if user.target is not _aten._to_copy.default or not lifetime:
+            custom = user.meta.get("custom", {})
+            lifetime = custom.get(AUTOCAST_CAST_KEY)
+            if user.target is not _aten._to_copy.default or not lifetime or custom.get(GRAD_OFF_KEY):
                 continue
             if user.kwargs.get("dtype") not in (torch.bfloat16, torch.float16):
                 continue

@@ -181,11 +181,31 @@ def _inside_a_disabled_block(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return b + x @ w.t()
 
 
+def _first_cast_without_grad(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            a = F.linear(x, w)  # a cast of x made with grad off: later casts do not read it
+        return F.linear(x, w) * a
+
+
+def _a_cast_without_grad_between(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = x @ w
+        with torch.no_grad():
+            b = x @ w.t()
+        return a * b + x @ w
+
+
 @pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
-@pytest.mark.parametrize("fn", [_inside_one_block, _inside_two_blocks, _inside_a_disabled_block], ids=lambda f: f.__name__)
+@pytest.mark.parametrize(
+    "fn",
+    [_inside_one_block, _inside_two_blocks, _inside_a_disabled_block, _first_cast_without_grad, _a_cast_without_grad_between],
+    ids=lambda f: f.__name__,
+)
 def test_autocast_blocks_inside_a_region_cast_as_eager_caches(fn: Callable[..., torch.Tensor], transform: str) -> None:
     """Autocast's cast cache lives from the first open context to the last close: a leaf
-    used twice in one lifetime is cast once, in two lifetimes twice, as in eager."""
+    used twice in one lifetime is cast once, in two lifetimes twice, as in eager; a cast
+    made under `no_grad` is not the one later differentiable uses read."""
     torch.manual_seed(0)
     xs, ws, cotangent = torch.randn(2, 3, 4), torch.randn(2, 4, 4), torch.randn(3, 4)
 
