@@ -199,7 +199,10 @@ def _a_cast_without_grad_between(x: torch.Tensor, w: torch.Tensor) -> torch.Tens
 @pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
 @pytest.mark.parametrize(
     "fn",
-    [_inside_one_block, _inside_two_blocks, _inside_a_disabled_block, _first_cast_without_grad, _a_cast_without_grad_between],
+    [
+        _inside_one_block, _inside_two_blocks, _inside_a_disabled_block,
+        _first_cast_without_grad, _a_cast_without_grad_between,
+    ],
     ids=lambda f: f.__name__,
 )
 def test_autocast_blocks_inside_a_region_cast_as_eager_caches(fn: Callable[..., torch.Tensor], transform: str) -> None:
