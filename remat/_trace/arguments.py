@@ -255,6 +255,9 @@ def _split_tensor_args(
             return None  # the general path flattens it (or refuses an unstrided tensor)
         key.append(tensor_signature(arg))
     spec, paths, positions = _positional_layout(names, len(args))
+    if transforms_active():  # a transform's wrapper may hold what cannot be traced (a DTensor)
+        for path, arg in zip(paths, args, strict=True):
+            _refuse_unstrided(fn, path, arg, True)
     key[0] = spec
     return _with_captured(fn, list(args), paths, list(args), spec, positions, key, paths, memo)
 

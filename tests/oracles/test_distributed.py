@@ -286,9 +286,9 @@ def _process_group_calls_replay_as_without_remat(x: torch.Tensor) -> dict[str, b
 
 
 def _refused_under_a_transform(mesh: Any, x: torch.Tensor) -> bool:
-    """Under torch.grad a DTensor parameter is hidden in torch.func's plain-looking wrapper;
-    remat looks beneath it and refuses, naming the parameter (torch's own error without
-    remat: DTensor's from_local has no setup_context)."""
+    """Under torch.grad a DTensor parameter, or a DTensor argument, is hidden in torch.func's
+    plain-looking wrapper; remat looks beneath it and refuses, naming the parameter or
+    argument (torch's own error without remat: DTensor's from_local has no setup_context)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     import remat
@@ -299,9 +299,22 @@ def _refused_under_a_transform(mesh: Any, x: torch.Tensor) -> bool:
     params = dict(layer.named_parameters())
     try:
         torch.func.grad(lambda p: torch.func.functional_call(region, p, (x,)).sum())(params)
+        captured = False
     except remat.RematTraceError as error:
-        return "self.up.weight is a DTensor" in str(error) and "under one it cannot run" in str(error)
-    return False
+        captured = "self.up.weight is a DTensor" in str(error) and "under one it cannot run" in str(error)
+    # a DTensor passed as an argument is refused alike (a call of plain tensor arguments
+    # takes a shorter path to its cache key)
+    weight = layer.up.weight.detach()
+    try:
+        torch.func.grad(lambda w: remat.remat(_matmul_sum)(x, w))(weight)
+        positional = False
+    except remat.RematTraceError as error:
+        positional = "w is a DTensor" in str(error) and "under one it cannot run" in str(error)
+    return captured and positional
+
+
+def _matmul_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w.t()).sum()
 
 
 def _communicates_as_plain(run: Any, policies: dict[str, Any]) -> dict[str, bool]:
