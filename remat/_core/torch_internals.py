@@ -187,22 +187,17 @@ def innermost_vmap() -> tuple[int, str] | None:
 
 def any_vmap_active() -> bool:
     """Whether a vmap is among the active torch.func transforms (torch 2.13)."""
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    return any(i.key() == TransformType.Vmap for i in retrieve_all_functorch_interpreters())
+    return bool(active_vmaps())
 
 
 def vmap_randomness_different() -> bool:
     """Whether some active vmap draws `randomness="different"` (torch 2.13 and 2.11)."""
-    from torch._C._functorch import TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    return any(i.key() == TransformType.Vmap and i.randomness() == "different" for i in retrieve_all_functorch_interpreters())
+    return any(randomness == "different" for _, randomness in active_vmaps())
 
 
 def active_vmaps() -> list[tuple[int, str]]:
-    """(level, randomness) of every active vmap, outermost first (torch 2.13 and 2.11)."""
+    """(level, randomness) of every active vmap, outermost first (torch 2.13 and 2.11).
+    The one scan of the functorch stack; the questions above are read from it."""
     if torch._C._functorch.peek_interpreter_stack() is None:
         return []
     from torch._C._functorch import TransformType
