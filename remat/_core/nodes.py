@@ -140,15 +140,26 @@ def is_view(node: torch.fx.Node) -> bool:
 def is_random(node: torch.fx.Node) -> bool:
     """Whether the op draws random numbers (attention with dropout_p=0 does not)."""
     node = producer(node)
-    op = node.target
-    if not (isinstance(op, OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
+    return isinstance(node.target, OpOverload) and draws_random(node.target, node.args, node.kwargs)
+
+
+def draws_random(op: OpOverload, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether a call of `op` with these arguments draws random numbers (attention with
+    dropout_p=0 does not)."""
+    if torch.Tag.nondeterministic_seeded not in op.tags:
         return False
     names = [a.name for a in op._schema.arguments]
     if "dropout_p" in names:
         index = names.index("dropout_p")
-        p = node.kwargs.get("dropout_p", node.args[index] if index < len(node.args) else 0.0)
+        p = kwargs.get("dropout_p", args[index] if index < len(args) else 0.0)
         return bool(p != 0.0)
     return True
+
+
+def generators_of(args: Sequence[Any], kwargs: dict[str, Any]) -> list[torch.Generator]:
+    """The generators a call is given explicitly (`generator=`), not the default ones."""
+    leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+    return [g for g in leaves if isinstance(g, torch.Generator)]
 
 
 def is_tuple(node: torch.fx.Node) -> bool:

@@ -7,7 +7,10 @@ and again in backward to recompute what was not kept. What makes that exact:
 
 - the region's policy is asked op by op (torch's selective checkpointing), with the same
   meta tensors as in a trace; a `checkpoint_name` is a named copy the policy can keep;
-- the random stream is checkpoint's own (the generators' states restored for recompute);
+- the random stream is checkpoint's own (the default generators' states restored for
+  the recompute), and a generator the region is given (`generator=`) is restored as the
+  memory below is; random ops are recomputed whatever the policy says, since a kept draw
+  would leave the recompute's later draws reading the numbers it took;
 - tensors the region changes in place that it did not make (BatchNorm's running
   statistics, a counter) are recorded before their first change in forward; the
   recompute starts from those values and they are put back after it, so such state is
@@ -40,7 +43,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, get_device_stat
 from remat.policies import MemoryBudget, nothing_saveable
 
 from .._core.errors import RematError
-from .._core.nodes import overwrites, writes_in_place, written_values
+from .._core.nodes import draws_random, generators_of, overwrites, writes_in_place, written_values
 from .._core.residuals import Recompute, Residual
 from .._core.torch_internals import (
     SacEntry,
@@ -214,7 +217,9 @@ class _ReplayDecisions(Decisions):
     copy, where that op had several outputs). An op that writes in place is never kept
     (the recompute writes again, from the values before), and a kept value the region
     later changes in place is recomputed instead (selective checkpointing would give the
-    changed value, or refuse)."""
+    changed value, or refuse). A random op is never kept: the recompute draws again from
+    the restored generators, and a draw it skipped would shift every later one (a name
+    given to a random op's output keeps the named copy)."""
 
     def __init__(self, policy: Callable[..., Any] | None, region: str) -> None:
         super().__init__(policy, region)
@@ -225,7 +230,7 @@ class _ReplayDecisions(Decisions):
         self.names: dict[tuple[Any, int], str] = {}  # (cache key, index) of a call kept by the name of its output
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if writes_in_place(op):
+        if writes_in_place(op) or draws_random(op, args, kwargs):
             return CheckpointPolicy.PREFER_RECOMPUTE
         out = ctx.op_output
         if op is NAMED_COPY:
@@ -271,7 +276,8 @@ class _Observed(TorchDispatchMode):
       again): its arguments, its modules' parameters and buffers, what its closure holds;
     - the outputs of the calls the policy kept (the cache the recompute takes them from),
       except memory their owner freed after the forward (FSDP's gathered parameters);
-    - the generator states checkpoint keeps to replay the random stream;
+    - the generator states checkpoint keeps to replay the random stream, and those of the
+      generators the region is given (`generator=`), which remat keeps to rewind them;
     - every other op call, run again in backward."""
 
     def __init__(
@@ -288,11 +294,14 @@ class _Observed(TorchDispatchMode):
         self.graph = graph
         self.made: set[tuple[torch.device, int]] = set()
         self.reads: dict[tuple[torch.device, int], torch.Tensor] = {}
+        self.generators: dict[int, torch.Generator] = {}  # given explicitly, by id
         # (op, its outputs, the user's line, FLOPs, its cache entry, the name a named copy gives)
         self.calls: list[tuple[Any, list[torch.Tensor], str | None, int, SacEntry | None, str | None]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        for generator in generators_of(args, kwargs):
+            self.generators.setdefault(id(generator), generator)
         out = func(*args, **kwargs)  # no tensor op runs below: every mode under this one would count it
         given = _plain_tensors((args, kwargs))
         keys = [_memory_of(t) for t in given]
@@ -339,6 +348,8 @@ class _Observed(TorchDispatchMode):
                 counted.add(key)
                 kept.append(residual(t, "intermediate", func, name, source))
         kept.extend(residual(state, "rng", None, None, "generator state") for state in self.rng)
+        given = [g.get_state() for g in self.generators.values()]
+        kept.extend(residual(state, "rng", None, None, "given generator's state") for state in given)
         return kept, memory
 
     def _recomputes(self) -> list[Recompute]:
@@ -414,7 +425,8 @@ def _has_storage(value: Any) -> bool:
 class _ExternalWrites(TorchDispatchMode):
     """While the region runs forward: the storages it allocates, and for each tensor it
     changes in place that it did not allocate, that storage's bytes before the first
-    change (a tensor held by a module, a closure or the caller)."""
+    change (a tensor held by a module, a closure or the caller); for each generator it is
+    given explicitly, its state before its first draw."""
 
     def __init__(self, region: str, decisions: _ReplayDecisions | None) -> None:
         super().__init__()
@@ -422,9 +434,13 @@ class _ExternalWrites(TorchDispatchMode):
         self.decisions = decisions
         self.made: set[tuple[torch.device, int]] = set()
         self.before: dict[tuple[torch.device, int], tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # by id: (generator, state before)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        for generator in generators_of(args, kwargs):
+            if id(generator) not in self.generators:
+                self.generators[id(generator)] = (generator, generator.get_state())
         written = written_values(func, args, kwargs)
         for tensor in optree.tree_leaves(written):  # type: ignore[arg-type]
             if isinstance(tensor, torch.Tensor):
@@ -458,22 +474,28 @@ class _ExternalWrites(TorchDispatchMode):
 
 
 class _Rewound:
-    """The recompute's context: the storages the forward changed hold their values from
-    before the forward while it runs, and their values from after it once it is done."""
+    """The recompute's context: the storages and generators the forward changed hold their
+    values from before the forward while it runs, and their values from now once it is done."""
 
     def __init__(self, writes: _ExternalWrites) -> None:
         self.writes = writes
         self.after: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        self.generators_after: list[tuple[torch.Generator, torch.Tensor]] = []
 
     def __enter__(self) -> None:
         self.after = [(storage, storage.clone()) for storage, _ in self.writes.before.values()]
         for storage, before in self.writes.before.values():
             _copy_back(storage, before)
+        self.generators_after = [(g, g.get_state()) for g, _ in self.writes.generators.values()]
+        for generator, state in self.writes.generators.values():
+            generator.set_state(state)
 
     def __exit__(self, *exc: Any) -> None:
         for storage, after in self.after:
             _copy_back(storage, after)
-        self.after = []
+        for generator, state in self.generators_after:
+            generator.set_state(state)
+        self.after, self.generators_after = [], []
 
 
 def _copy_back(storage: torch.UntypedStorage, saved: torch.UntypedStorage) -> None:

@@ -92,22 +92,48 @@ def _in_place_after_a_kept_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Ten
     return (h[h > 1.5].sum() + (h @ w).sum()) * x.shape[0]
 
 
+def _random_draws(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A draw whose output a policy may keep (bernoulli, named) before one it recomputes
+    (an in-place fill): were the first kept, the recompute's fill would draw its numbers."""
+    h = (x @ w).t().reshape(x.shape)
+    h.register_hook(lambda g: g * 2)
+    mask = checkpoint_name(torch.bernoulli(torch.full_like(h, 0.6)), "h")
+    return (h * torch.empty_like(h).uniform_() - h).sum() + (w * mask[:4]).sum()
+
+
+_GENERATOR = torch.Generator()  # reseeded before each run
+
+
+def _a_generator_given(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Draws from a generator of the user's (`generator=`), which the recompute draws from
+    again, out of place and in place."""
+    h = checkpoint_name(torch.sin(x @ w), "h")
+    h.register_hook(lambda g: g * 2)
+    noise = torch.rand(h.shape, dtype=h.dtype, generator=_GENERATOR)
+    return (h * noise * torch.empty_like(h).uniform_(generator=_GENERATOR)).sum()
+
+
 FUNCTIONS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "data-dependent shape": _data_dependent,
     ".item()": _reads_a_number,
     "custom autograd.Functions": _custom_functions,
     "tensor hook inside": _tensor_hook,
     "in place after a kept matmul": _in_place_after_a_kept_matmul,
+    "random draws": _random_draws,
+    "a generator given": _a_generator_given,
 }
 
 
 def _grads(f: Callable[..., torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """The output and gradients, and the random streams after them (the default's and the user's generator's)."""
     torch.manual_seed(0)
+    _GENERATOR.manual_seed(0)
     x = torch.randn(6, 4, dtype=dtype, requires_grad=True)
     w = torch.randn(4, 4, dtype=dtype, requires_grad=True)
     out = f(x, w)
     out.backward()
-    return (out.detach(), x.grad, w.grad)  # type: ignore[return-value]
+    streams = torch.rand(2, dtype=dtype), torch.rand(2, dtype=dtype, generator=_GENERATOR)
+    return (out.detach(), x.grad, w.grad, *streams)  # type: ignore[return-value]
 
 
 def _assert_bitwise(actual: Any, expected: Any) -> None:
@@ -172,7 +198,8 @@ def test_a_report_says_what_an_untraceable_region_keeps_as_its_backward_graph_ho
     assert kept == bytes_kept_for_backward(lambda: region(x, w))
     inputs = [(r.source, r.shape) for r in found.residuals if r.kind == "input"]
     assert inputs == [("x", (6, 4)), ("w", (4, 4))]
-    assert [r.nbytes for r in found.residuals if r.kind == "rng"] == [torch.get_rng_state().numel()]
+    states = 2 if name == "a generator given" else 1  # checkpoint's, and the given generator's
+    assert [r.nbytes for r in found.residuals if r.kind == "rng"] == [torch.get_rng_state().numel()] * states
     names = {r.name for r in found.residuals if r.kind == "intermediate"}
     keeps_h = policy_name in ("names", "everything") and name != "in place after a kept matmul"
     assert names <= {"h", None} and ("h" in names) == keeps_h
@@ -206,7 +233,7 @@ def test_saved_tensor_bytes_and_compare_count_what_replayed_regions_keep(name: s
 
     with pytest.warns(RematFallbackWarning):
         region(x, w)
-    state = torch.get_rng_state().numel()
+    state = torch.get_rng_state().numel() * (2 if name == "a generator given" else 1)
     expected = bytes_kept_for_backward(lambda: twice(x, w), runs=3) + x.nbytes + w.nbytes + 2 * state
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing goes uncounted
