@@ -160,7 +160,7 @@ def _contexts(
     region: str,
     fn: Callable[..., Any],
     roots: list[tuple[str, Any]],
-    observed: Callable[[_ReplayDecisions | None, weakref.ref[Any]], _Observed] | None,
+    observed: Callable[[_ReplayDecisions | None, _ExternalWrites, weakref.ref[Any]], _Observed] | None,
 ) -> tuple[Any, Any]:
     """checkpoint's (forward, recompute) contexts for one call of the region."""
     python = _PythonState(fn, roots)
@@ -174,7 +174,7 @@ def _contexts(
         decisions.caching, cached = selective_checkpoint_contexts(decisions)
         caching, reading = (decisions.caching,), (cached,)
     recomputing = _Entered(recompute, _Rewound(writes), *reading)
-    watching = () if observed is None else (observed(decisions, weakref.ref(recomputing)),)  # innermost: sees ops first
+    watching = () if observed is None else (observed(decisions, writes, weakref.ref(recomputing)),)  # innermost: sees ops first
     return _Entered(forward, *caching, writes, *watching), recomputing
 
 
@@ -287,21 +287,19 @@ class _Observed(TorchDispatchMode):
         rng: list[torch.Tensor],
         observe: Observe,
         decisions: _ReplayDecisions | None,
+        writes: _ExternalWrites,
         graph: weakref.ref[Any],
     ) -> None:
         super().__init__()
         self.region, self.names, self.rng, self.observe, self.decisions = region, names, rng, observe, decisions
-        self.graph = graph
+        self.writes, self.graph = writes, graph
         self.made: set[tuple[torch.device, int]] = set()
         self.reads: dict[tuple[torch.device, int], torch.Tensor] = {}
-        self.generators: dict[int, torch.Generator] = {}  # given explicitly, by id
         # (op, its outputs, the user's line, FLOPs, its cache entry, the name a named copy gives)
         self.calls: list[tuple[Any, list[torch.Tensor], str | None, int, SacEntry | None, str | None]] = []
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        for generator in generators_of(args, kwargs):
-            self.generators.setdefault(id(generator), generator)
         out = func(*args, **kwargs)  # no tensor op runs below: every mode under this one would count it
         given = _plain_tensors((args, kwargs))
         keys = [_memory_of(t) for t in given]
@@ -348,7 +346,7 @@ class _Observed(TorchDispatchMode):
                 counted.add(key)
                 kept.append(residual(t, "intermediate", func, name, source))
         kept.extend(residual(state, "rng", None, None, "generator state") for state in self.rng)
-        given = [g.get_state() for g in self.generators.values()]
+        given = [state for _, state in self.writes.generators.values()]  # what the recompute rewinds to
         kept.extend(residual(state, "rng", None, None, "given generator's state") for state in given)
         return kept, memory
 
