@@ -261,6 +261,31 @@ def test_a_tensor_hook_inside_a_region_is_refused_naming_the_line(fn: Fn) -> Non
         torch.func.grad(remat(fn))(x.detach())
 
 
+@pytest.mark.parametrize("policy_name", ["nothing_saveable", "everything_saveable"])
+def test_a_hook_on_a_region_s_output_in_a_gradient_of_a_gradient(policy_name: str) -> None:
+    """Gradients equal eager code's; the hook runs once per backward that reaches the output,
+    and a second time in the gradient of a gradient only where the policy keeps the output
+    that `tanh`'s derivative reads (eager code always reads it there): the documented difference."""
+    policy = getattr(P, policy_name)
+
+    def run(f: Fn) -> tuple[int, int, torch.Tensor]:
+        calls: list[torch.Tensor] = []
+        x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        out = f(x * 2)
+        out.register_hook(lambda g: calls.append(g))
+        (g,) = torch.autograd.grad(out.sum(), [x], create_graph=True)
+        first = len(calls)
+        g.sum().backward()
+        assert x.grad is not None
+        return first, len(calls), x.grad
+
+    eager_first, eager_both, eager_grad = run(torch.tanh)
+    first, both, grad = run(remat(torch.tanh, policy=policy))
+    torch.testing.assert_close(grad, eager_grad, rtol=0, atol=0)
+    assert (eager_first, eager_both) == (1, 2)
+    assert (first, both) == (1, 2 if policy_name == "everything_saveable" else 1)
+
+
 # --- Python side effects ----------------------------------------------------------------
 
 _GLOBAL_LOG: list[int] = []
