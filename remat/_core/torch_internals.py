@@ -792,33 +792,64 @@ def below_autograd(keyset: Any) -> Any:
 
 def selective_checkpoint_contexts(policy_fn: Callable[..., Any]) -> tuple[Any, Any]:
     """`create_selective_checkpoint_contexts(policy_fn)`, except that a kept value serves
-    every recompute, not only the first: torch's cached mode consumes each kept value, so
-    a second backward through the region (a gradient of a gradient, `retain_graph=True`)
-    raises "backward an extra time", where eager code and plain checkpoint run it. The
-    kept values live as long as the region's backward graph, as its saved tensors would.
-    (Before torch 2.13, torch's own contexts.)"""
-    from torch.utils.checkpoint import _CachingTorchDispatchMode, create_selective_checkpoint_contexts
+    every recompute, not only the first (torch's cached mode consumes each kept value, so
+    a second backward through the region, a gradient of a gradient or `retain_graph=True`,
+    raises "backward an extra time", where eager code and plain checkpoint run it), and
+    that a cast autocast may take from its cache is neither counted nor kept
+    (`autocast_may_cache`). The kept values live as long as the region's backward graph,
+    as its saved tensors would. (Before torch 2.13, torch's own contexts.)"""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    cache = _repeatable_cache_class()
-    if cache is None:
+    modes = _sac_mode_classes()
+    if modes is None:
         return create_selective_checkpoint_contexts(policy_fn)
+    caching, cached = modes
     storage: dict[Any, dict[int, Any]] = collections.defaultdict(dict)
-    return _CachingTorchDispatchMode(policy_fn, storage), cache(None, storage)
+    return caching(policy_fn, storage), cached(None, storage)
+
+
+def autocast_may_cache(func: Any, args: tuple[Any, ...]) -> bool:
+    """Whether an op call is a cast that autocast may serve from its cast cache instead of
+    running it: a cast of a leaf that requires grad and is no view (torch 2.13,
+    autocast_mode.h `cached_cast`, which also asks for float32 and a lower target dtype;
+    any cast of such a leaf is taken here). Whether it runs depends on what the cache held,
+    not on the code: a region's forward may find a parameter's cast there (made by an
+    earlier use in the same autocast block) and its recompute not, or the other way round
+    (a backward inside the block finds the forward's), so selective checkpointing, which
+    matches the recompute's calls of an op to the forward's by count, must not count it.
+    Recomputing such a cast gives the same bits."""
+    if func is not torch.ops.aten._to_copy.default or not args or not isinstance(args[0], torch.Tensor):
+        return False
+    t = args[0]
+    return t.is_leaf and t.requires_grad and t._base is None
 
 
 @functools.cache
-def _repeatable_cache_class() -> type | None:
-    """torch's cached mode (its __torch_dispatch__ in torch 2.13) without consuming entries."""
+def _sac_mode_classes() -> tuple[type, type] | None:
+    """torch's caching and cached modes (their __torch_dispatch__ in torch 2.13) with what
+    `selective_checkpoint_contexts` changes, or None where torch lacks them."""
     try:
         from torch.utils._pytree import tree_map
-        from torch.utils.checkpoint import _RECOMPUTE, SAC_IGNORED_OPS, _CachedTorchDispatchMode, _sac_storage_key
+        from torch.utils.checkpoint import (
+            _RECOMPUTE,
+            SAC_IGNORED_OPS,
+            _CachedTorchDispatchMode,
+            _CachingTorchDispatchMode,
+            _sac_storage_key,
+        )
     except ImportError:
         return None
+
+    class Caching(_CachingTorchDispatchMode):  # type: ignore[misc, valid-type]
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if autocast_may_cache(func, args):
+                return func(*args, **(kwargs or {}))
+            return super().__torch_dispatch__(func, types, args, kwargs)
 
     class RepeatableCache(_CachedTorchDispatchMode):  # type: ignore[misc, valid-type]
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
-            if func in SAC_IGNORED_OPS:
+            if func in SAC_IGNORED_OPS or autocast_may_cache(func, args):
                 return func(*args, **kwargs)
             key = _sac_storage_key(func, args)
             index = self.func_counter[key]  # reset when a recompute enters the mode
@@ -833,7 +864,7 @@ def _repeatable_cache_class() -> type | None:
                 return func(*args, **kwargs)
             return tree_map(lambda x: x.get_val(self.allow_cache_entry_mutation), entry)
 
-    return RepeatableCache
+    return Caching, RepeatableCache
 
 
 class SacEntry:
@@ -856,10 +887,11 @@ class SacEntry:
     @classmethod
     def of_call(cls, caching: Any, op: Any, args: tuple[Any, ...]) -> SacEntry | None:
         """The entry of the op call the caching mode has just seen, or None for an op it
-        neither counts nor caches (`SAC_IGNORED_OPS`: detach and the like)."""
+        neither counts nor caches (`SAC_IGNORED_OPS`: detach and the like; a cast autocast
+        may take from its cache)."""
         from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-        return None if op in SAC_IGNORED_OPS else cls(caching, op, args)
+        return None if op in SAC_IGNORED_OPS or autocast_may_cache(op, args) else cls(caching, op, args)
 
     def kept(self) -> bool:
         """Whether the recompute takes this call's output from the cache."""

@@ -179,6 +179,45 @@ def _cover(every: int) -> list[Any]:
     ]
 
 
+def _grads_under_autocast(f: Callable[..., torch.Tensor], cast_before: bool, backward_inside: bool) -> tuple[torch.Tensor, ...]:
+    """As `_grads`, in float32 under bfloat16 autocast. Autocast casts a leaf that requires
+    grad once per block (its cast cache), other tensors at each use: cast before the region
+    in the same block, the region's forward finds leaf `w`'s cast there; with backward
+    inside the block, the recompute finds the forward's and casts only `x` (no leaf).
+    Square: a cast taken for another has its shape."""
+    torch.manual_seed(0)
+    _GENERATOR.manual_seed(0)
+    x = torch.randn(4, 4, requires_grad=True)
+    w = torch.randn(4, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        earlier = (x @ w).float().sum() if cast_before else 0
+        out = f(x * 1, w).float() + earlier
+        if backward_inside:
+            out.backward()
+    if not backward_inside:
+        out.backward()
+    streams = torch.rand(2), torch.rand(2, generator=_GENERATOR)
+    return (out.detach(), x.grad, w.grad, *streams)  # type: ignore[return-value]
+
+
+_AUTOCAST_CASES = [case for case in _cover(3) if case.values[0] != "custom autograd.Functions"]  # not autocast-ready
+
+
+@pytest.mark.parametrize(("name", "policy_name"), _AUTOCAST_CASES)
+def test_an_untraceable_region_under_autocast_is_bitwise_whatever_its_cast_cache_holds(name: str, policy_name: str) -> None:
+    """A kept value is matched to its op's call in the recompute by count; autocast's cast
+    cache makes a parameter's cast run in the forward and not in the recompute, or the other
+    way round. Such casts are recomputed, so no kept value is taken for another's (a silent
+    wrong gradient) and the recompute's calls are its forward's."""
+    f = FUNCTIONS[name]
+    region = remat(f, policy=POLICIES[policy_name])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RematFallbackWarning)
+        for cast_before, backward_inside in [(False, False), (False, True), (True, False), (True, True)]:
+            expected = _grads_under_autocast(f, cast_before, backward_inside)
+            _assert_bitwise(_grads_under_autocast(region, cast_before, backward_inside), expected)
+
+
 _REPORTED = _cover(3)
 
 
