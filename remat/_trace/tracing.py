@@ -994,8 +994,12 @@ class _MarkDifferentiable(_CarryMeta):
         if n in self.inside_units:
             return None
         out = super().run_node(n)
+        # every output of a multi-output op too: a part of a chained region may read an
+        # op's first output only, and keep the others (layer_norm's mean) without an item node
+        for leaf in optree.tree_leaves(out) if not isinstance(out, torch.Tensor) else (out,):  # type: ignore[arg-type]
+            if isinstance(leaf, torch.Tensor):
+                annotate(traced_node(leaf), DIFFERENTIABLE_KEY, bool(leaf.requires_grad), producer_too=False)
         if isinstance(out, torch.Tensor):
-            annotate(traced_node(out), DIFFERENTIABLE_KEY, bool(out.requires_grad), producer_too=False)
             if out.grad_fn is not None and n.op == "call_function":
                 self.hooks.append(out.grad_fn.register_prehook(functools.partial(_blame, self.blame, producer(n))))
         uses = self.uses

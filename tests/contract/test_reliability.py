@@ -332,6 +332,33 @@ def test_an_output_differentiated_with_respect_to_another(policy: Any) -> None:
     assert_close(per_sample(x.detach().unsqueeze(1), w), expected(x.detach().unsqueeze(1), w))
 
 
+def _norm_after_an_output(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The second part reads layer_norm's output only; a policy may keep its mean and rstd,
+    which autograd does not track."""
+    v = F.silu(y)
+    return v + F.layer_norm(x, x.shape[-1:]), v
+
+
+@pytest.mark.parametrize("policy", [None, P.everything_saveable, P.memory_budget(0.5)], ids=["none", "everything", "budget"])
+def test_a_gradient_of_a_gradient_through_outputs_feeding_outputs(policy: Any) -> None:
+    """Second order through a region run as two autograd nodes, under autograd and
+    torch.func: a kept value autograd does not track stays untracked in either part."""
+    x, y, t = (torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(k)) for k in range(3))
+
+    def autograd_twice(f: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
+        a, b = x.clone().requires_grad_(), y.clone().requires_grad_()
+        (g,) = torch.autograd.grad((f(a, b)[0] * t).sum(), a, create_graph=True)
+        return torch.autograd.grad((g * t).sum(), (a, b), materialize_grads=True)  # b: unused, zeros
+
+    def func_twice(f: Callable[..., Any]) -> tuple[torch.Tensor, ...]:
+        first = torch.func.grad(lambda a, b: (f(a, b)[0] * t).sum())
+        return torch.func.grad(lambda a, b: (first(a, b) * t).sum(), argnums=(0, 1))(x, y)  # type: ignore[no-any-return]
+
+    region = remat(_norm_after_an_output, policy=policy)
+    assert_close(autograd_twice(region), autograd_twice(_norm_after_an_output))
+    assert_close(func_twice(region), func_twice(_norm_after_an_output))
+
+
 def test_outputs_feeding_outputs_with_dropout_and_running_statistics() -> None:
     """Each draw once and in eager's order, running statistics updated once."""
     def f(x: torch.Tensor, w: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> tuple[torch.Tensor, ...]:
