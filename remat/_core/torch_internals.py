@@ -790,22 +790,46 @@ def below_autograd(keyset: Any) -> Any:
 # --- selective checkpointing's cache (torch 2.13: utils/checkpoint.py) -----------------------
 
 
-def selective_checkpoint_contexts(policy_fn: Callable[..., Any]) -> tuple[Any, Any]:
-    """`create_selective_checkpoint_contexts(policy_fn)`, except that a kept value serves
-    every recompute, not only the first (torch's cached mode consumes each kept value, so
-    a second backward through the region, a gradient of a gradient or `retain_graph=True`,
-    raises "backward an extra time", where eager code and plain checkpoint run it), and
-    that a cast autocast may take from its cache is neither counted nor kept
-    (`autocast_may_cache`). The kept values live as long as the region's backward graph,
-    as its saved tensors would. (Before torch 2.13, torch's own contexts.)"""
+def selective_checkpoint_contexts(
+    policy_fn: Callable[..., Any],
+    transparent: Sequence[Any] = (),
+    numbered: Callable[[Any, Any, Any], bool] = lambda *_: False,
+) -> tuple[Any, Any]:
+    """`create_selective_checkpoint_contexts(policy_fn)`, with three changes. A kept value
+    serves every recompute, not only the first (torch's cached mode consumes each kept
+    value, so a second backward through the region, a gradient of a gradient or
+    `retain_graph=True`, raises "backward an extra time", where eager code and plain
+    checkpoint run it). A cast autocast may take from its cache is neither counted nor kept
+    (`autocast_may_cache`). And a kept value is handed out only to the recompute's call
+    that was given what the forward's was (`_Calls`); another call computes its output, and
+    the cached mode's `diverged` says which (`transparent`: ops whose output is told as
+    their input, as the recompute may not run them; `numbered`: calls told apart by their
+    count, random draws). The kept values live as long as the region's
+    backward graph, as its saved tensors would. (Before torch 2.13, torch's own contexts.)"""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     modes = _sac_mode_classes()
     if modes is None:
         return create_selective_checkpoint_contexts(policy_fn)
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
     caching, cached = modes
     storage: dict[Any, dict[int, Any]] = collections.defaultdict(dict)
-    return caching(policy_fn, storage), cached(None, storage)
+    calls = _Calls(frozenset(transparent) | frozenset(SAC_IGNORED_OPS) | _waits(), numbered)
+    return caching(policy_fn, storage, calls), cached(storage, calls)
+
+
+@functools.cache
+def _waits() -> frozenset[Any]:
+    """The ops that wait for a collective and return its output (torch 2.13: a kept
+    collective's output, handed out anew, is not the object they were given)."""
+    found = set()
+    for namespace in ("_c10d_functional", "c10d_functional"):
+        try:
+            found.add(getattr(torch.ops, namespace).wait_tensor.default)
+        except (AttributeError, RuntimeError):
+            continue
+    return frozenset(found)
 
 
 def autocast_may_cache(func: Any, args: tuple[Any, ...]) -> bool:
@@ -822,6 +846,127 @@ def autocast_may_cache(func: Any, args: tuple[Any, ...]) -> bool:
         return False
     t = args[0]
     return t.is_leaf and t.requires_grad and t._base is None
+
+
+class _Calls:
+    """What each op call of a replayed region was given, told by how its tensors were
+    computed: a number per distinct computation (an op and what it was given, down to the
+    region's inputs; a random draw also by its count, two draws alike differ; a tensor
+    written in place anew after the write), the same in the forward and the recompute, so
+    calls the two run in another number or order (an owner such as FSDP viewing parameters
+    in forward only) do not confuse it. From outside the region: the object itself for a
+    leaf that requires grad (a parameter; the recompute is given the same one), the dtype
+    of a wrapped Python number; any other tensor (an input, which may be made anew as a
+    DTensor's local tensor is; a buffer; a collective's output) is unseen, and so is what
+    is computed from it, so a call is checked by its parameters, numbers and the
+    computations it was given that start from them.
+    Selective checkpointing matches the recompute's n-th call of an op to the forward's
+    n-th by count alone: where the recompute runs other calls than the forward (Python
+    state read differently in backward, a cache outside the region that serves the
+    forward's values), a kept value would be handed out for another call, a silently wrong
+    gradient. A kept value is handed out only to a call given what the forward's was."""
+
+    def __init__(self, transparent: frozenset[Any], numbered: Callable[[Any, Any, Any], bool]) -> None:
+        self.transparent, self.numbered = transparent, numbered
+        self.made_by: Any = torch.utils.weak.WeakTensorKeyDictionary()  # tensor -> how it was computed
+        self.written: Any = torch.utils.weak.WeakTensorKeyDictionary()  # the same, after a write in this run
+        self.numbers: dict[Any, int] = {}  # a computation described -> its number (told as ("#", number))
+        self.given: dict[tuple[Any, int], tuple[Any, ...]] = {}  # (cache key, index) -> what the forward's got
+
+    def start(self) -> None:
+        """A run (the forward, or a recompute) starts from the tensors as the region got them."""
+        self.written = torch.utils.weak.WeakTensorKeyDictionary()
+
+    def describe(self, args: Any, kwargs: Any) -> tuple[Any, ...]:
+        return tuple(self._origin(v) for v in itertools.chain(_leaves(args), _leaves(kwargs)))
+
+    def _origin(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value if isinstance(value, _PLAIN) else type(value).__qualname__
+        made = self.written.get(value)
+        if made is None:
+            made = self.made_by.get(value)
+        if made is not None:
+            return made
+        leaf = _cast_leaf(value)
+        if leaf is not None:  # a cast autocast took from its cache, made before the region
+            return self._number(("cast", self._origin(leaf), value.dtype))
+        if value.is_leaf and value.requires_grad:  # a parameter: the recompute is given the same one
+            return ("outside", id(value))
+        if value.dim() == 0 and not value.requires_grad:  # a Python number, wrapped anew on every call
+            return ("number", value.dtype, value.device)
+        return _UNSEEN
+
+    def _number(self, description: Any) -> tuple[str, int]:
+        return ("#", self.numbers.setdefault(description, len(self.numbers)))
+
+    def record(self, func: Any, args: Any, kwargs: Any, given: tuple[Any, ...], out: Any, index: int | None) -> None:
+        """How `out`, and what the call wrote in place, were computed."""
+        described: Any = None  # a transparent op's output is told as its input
+        if _unchecked(func) or any(g is _UNSEEN for g in given):  # unseen, and so what is computed from it
+            described = _UNSEEN
+        elif func in self.transparent:
+            pass
+        elif autocast_may_cache(func, args):
+            described = ("cast", given[0], out.dtype)
+        else:
+            described = (func, given, index if index is not None and self.numbered(func, args, kwargs) else None)
+        inputs = {id(t) for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for position, t in enumerate(_leaves(out)):
+            if isinstance(t, torch.Tensor) and id(t) not in inputs:
+                if described is None or described is _UNSEEN:
+                    self.made_by[t] = given[0] if described is None else _UNSEEN
+                elif described[0] == "cast":  # as a cast autocast took from its cache is told
+                    self.made_by[t] = self._number(described)
+                else:
+                    self.made_by[t] = self._number((described, position))
+        for position, t in enumerate(_written_tensors(func, args, kwargs)):
+            self.written[t] = _UNSEEN if described is _UNSEEN else self._number((described, "written", position))
+
+
+_UNSEEN = ("unseen",)  # a tensor made where no mode sees it
+
+
+def _written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors an op writes in place, as its schema says."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    found = []
+    for i, argument in enumerate(schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            found += [t for t in _leaves(value) if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _cast_leaf(t: torch.Tensor) -> torch.Tensor | None:
+    """The leaf `t` is a cast of, where autograd recorded it so (a cast autocast caches:
+    its node is ToCopyBackward0, whose next is the leaf's AccumulateGrad; torch 2.13)."""
+    node = t.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0" or not node.next_functions:
+        return None
+    variable = getattr(node.next_functions[0][0], "variable", None)
+    return variable if isinstance(variable, torch.Tensor) else None
+
+
+def _unchecked(func: Any) -> bool:
+    """Ops whose kept output is handed out whatever they were given: collectives and their
+    waits (c10d's ops and their functional forms: their buffers are made anew where no mode
+    sees it, and owners such as FSDP run them differently in backward) and profiler marks."""
+    return getattr(func, "namespace", None) in ("c10d", "_c10d_functional", "c10d_functional", "profiler")
+
+
+_PLAIN = (int, float, bool, str, complex, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _leaves(value: Any) -> list[Any]:
+    """The leaves of an op's arguments or outputs (tuples and lists of tensors, numbers, sizes)."""
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in _leaves(item)]
+    if isinstance(value, dict):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    return [value]
 
 
 @functools.cache
@@ -841,16 +986,48 @@ def _sac_mode_classes() -> tuple[type, type] | None:
         return None
 
     class Caching(_CachingTorchDispatchMode):  # type: ignore[misc, valid-type]
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-            if autocast_may_cache(func, args):
-                return func(*args, **(kwargs or {}))
-            return super().__torch_dispatch__(func, types, args, kwargs)
+        def __init__(self, policy_fn: Callable[..., Any], storage: dict[Any, Any], calls: _Calls) -> None:
+            super().__init__(policy_fn, storage)
+            self.calls = calls
 
-    class RepeatableCache(_CachedTorchDispatchMode):  # type: ignore[misc, valid-type]
+        def __enter__(self) -> Any:
+            self.calls.start()
+            return super().__enter__()
+
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
+            given = self.calls.describe(args, kwargs)
+            if func in SAC_IGNORED_OPS or autocast_may_cache(func, args):  # neither counted nor kept
+                out = func(*args, **kwargs)
+                self.calls.record(func, args, kwargs, given, out, None)
+                return out
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            key = _sac_storage_key(func, args)
+            index = self.func_counter[key] - 1
+            self.calls.given[key, index] = given
+            self.calls.record(func, args, kwargs, given, out, index)
+            return out
+
+    class RepeatableCache(_CachedTorchDispatchMode):  # type: ignore[misc, valid-type]
+        """torch's cached mode without consuming entries, handing a kept value out only to
+        the call given what the forward's was."""
+
+        def __init__(self, storage: dict[Any, Any], calls: _Calls) -> None:
+            super().__init__(None, storage)
+            self.calls = calls
+            self.diverged: str | None = None  # the first call given otherwise, described
+
+        def __enter__(self) -> Any:
+            self.calls.start()
+            return super().__enter__()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            given = self.calls.describe(args, kwargs)
             if func in SAC_IGNORED_OPS or autocast_may_cache(func, args):
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+                self.calls.record(func, args, kwargs, given, out, None)
+                return out
             key = _sac_storage_key(func, args)
             index = self.func_counter[key]  # reset when a recompute enters the mode
             self.func_counter[key] += 1
@@ -860,9 +1037,16 @@ def _sac_mode_classes() -> tuple[type, type] | None:
                     f"remat: the recompute of a replayed region calls {func} (call {index}), which its forward "
                     "did not: the region's Python ran differently in backward (global state changed since?)"
                 )
+            if entry is not _RECOMPUTE and self.calls.given.get((key, index)) != given and not _unchecked(func):
+                if self.diverged is None:
+                    self.diverged = f"{func} (call {index})"
+                entry = _RECOMPUTE
             if entry is _RECOMPUTE:
-                return func(*args, **kwargs)
-            return tree_map(lambda x: x.get_val(self.allow_cache_entry_mutation), entry)
+                out = func(*args, **kwargs)
+            else:
+                out = tree_map(lambda x: x.get_val(self.allow_cache_entry_mutation), entry)
+            self.calls.record(func, args, kwargs, given, out, index)
+            return out
 
     return Caching, RepeatableCache
 

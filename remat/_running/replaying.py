@@ -31,6 +31,7 @@ import contextvars
 import functools
 import inspect
 import types
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator
@@ -42,11 +43,12 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, get_device_stat
 
 from remat.policies import MemoryBudget, nothing_saveable
 
-from .._core.errors import RematError
+from .._core.errors import RematError, RematStateWarning
 from .._core.nodes import draws_random, generators_of, overwrites, writes_in_place, written_values
 from .._core.residuals import Recompute, Residual
 from .._core.torch_internals import (
     SacEntry,
+    dispatch_modes_off,
     inner_tensors,
     local_tensor,
     replays_supported,
@@ -171,8 +173,9 @@ def _contexts(
     caching: tuple[Any, ...] = ()  # selective checkpointing's cache: filled in forward, read in the recompute
     reading: tuple[Any, ...] = ()
     if decisions is not None:
-        decisions.caching, cached = selective_checkpoint_contexts(decisions)
-        caching, reading = (decisions.caching,), (cached,)
+        # a name's copy is not made in the recompute; random draws are told apart by their count
+        decisions.caching, cached = selective_checkpoint_contexts(decisions, (NAMED_COPY,), draws_random)
+        caching, reading = (decisions.caching,), (_Diverging(cached, region), cached)
     recomputing = _Entered(recompute, _Rewound(writes), *reading)
     watching = () if observed is None else (observed(decisions, writes, weakref.ref(recomputing)),)  # innermost: sees ops first
     return _Entered(forward, *caching, writes, *watching), recomputing
@@ -208,6 +211,29 @@ class _Reentrant:
 
     def __exit__(self, *exc: Any) -> Any:
         return self.entered.pop().__exit__(*exc)
+
+
+class _Diverging:
+    """Warns, as the recompute ends, where it gave an op call other values than the forward
+    gave it, so that a kept value was recomputed instead (`selective_checkpoint_contexts`)."""
+
+    def __init__(self, cached: Any, region: str) -> None:
+        self.cached, self.region = cached, region
+
+    def __enter__(self) -> None:
+        self.cached.diverged = None
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.cached.diverged is not None:  # also when it stops early, having recomputed what backward needs
+            warnings.warn(
+                f"remat({self.region}): in backward, the region's Python gave {self.cached.diverged} other values "
+                "than in its forward (state it reads changed between forward and backward, or a cache outside "
+                "the region served the forward's values). remat computed that value again instead of handing out "
+                "the one it kept, so the gradient is right, but keeping it was memory spent for nothing. Keep "
+                "such state in the region's arguments or modules, so that backward sees what forward saw.",
+                RematStateWarning,
+                stacklevel=2,
+            )
 
 
 class _ReplayDecisions(Decisions):
@@ -468,7 +494,8 @@ class _ExternalWrites(TorchDispatchMode):
             # not repeat left the parameters there)
             return
         storage = tensor.untyped_storage()
-        self.before[key] = (storage, storage.clone())
+        with dispatch_modes_off():  # remat's own copy: selective checkpointing's count of the region's ops skips it
+            self.before[key] = (storage, storage.clone())
 
 
 class _Rewound:

@@ -17,7 +17,16 @@ import torch.nn.utils.prune
 from support.kept_memory import bytes_kept_for_backward
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from remat import RematFallbackWarning, RematTraceError, checkpoint_name, compare, remat, report, saved_tensor_bytes
+from remat import (
+    RematFallbackWarning,
+    RematStateWarning,
+    RematTraceError,
+    checkpoint_name,
+    compare,
+    remat,
+    report,
+    saved_tensor_bytes,
+)
 from remat import policies as P
 
 from conftest import BUILT_IN_POLICIES
@@ -179,7 +188,9 @@ def _cover(every: int) -> list[Any]:
     ]
 
 
-def _grads_under_autocast(f: Callable[..., torch.Tensor], cast_before: bool, backward_inside: bool) -> tuple[torch.Tensor, ...]:
+def _grads_under_autocast(
+    f: Callable[..., torch.Tensor], cast_before: bool, backward_inside: bool
+) -> tuple[torch.Tensor, ...]:
     """As `_grads`, in float32 under bfloat16 autocast. Autocast casts a leaf that requires
     grad once per block (its cast cache), other tensors at each use: cast before the region
     in the same block, the region's forward finds leaf `w`'s cast there; with backward
@@ -204,7 +215,9 @@ _AUTOCAST_CASES = [case for case in _cover(3) if case.values[0] != "custom autog
 
 
 @pytest.mark.parametrize(("name", "policy_name"), _AUTOCAST_CASES)
-def test_an_untraceable_region_under_autocast_is_bitwise_whatever_its_cast_cache_holds(name: str, policy_name: str) -> None:
+def test_an_untraceable_region_under_autocast_is_bitwise_whatever_its_cast_cache_holds(
+    name: str, policy_name: str
+) -> None:
     """A kept value is matched to its op's call in the recompute by count; autocast's cast
     cache makes a parameter's cast run in the forward and not in the recompute, or the other
     way round. Such casts are recomputed, so no kept value is taken for another's (a silent
@@ -216,6 +229,50 @@ def test_an_untraceable_region_under_autocast_is_bitwise_whatever_its_cast_cache
         for cast_before, backward_inside in [(False, False), (False, True), (True, False), (True, True)]:
             expected = _grads_under_autocast(f, cast_before, backward_inside)
             _assert_bitwise(_grads_under_autocast(region, cast_before, backward_inside), expected)
+
+
+class _Library:
+    """A library's own cache, out of remat's reach: the recompute finds the forward's tensor
+    there and does not run the `full` the forward ran (real tensors only: a trace's are not kept)."""
+
+    cache: dict[float, torch.Tensor] = {}
+
+    @classmethod
+    def filled(cls, value: float) -> torch.Tensor:
+        found = cls.cache.get(value)
+        if found is None:
+            found = torch.full((4, 4), value, dtype=torch.float64)
+            if type(found) is torch.Tensor:
+                cls.cache[value] = found
+        return found
+
+
+_filled = _Library.filled
+
+
+def _reads_a_library_cache(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    a = w * _filled(2.0)  # the forward's first `full`; not run in the recompute
+    b = w * torch.full((4, 4), 3.0, dtype=w.dtype)  # the forward's second, the recompute's first
+    h = x @ (a + b.sin())
+    return h[h > 0].sum()  # untraceable: replayed
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_a_recompute_that_runs_other_calls_than_its_forward_is_exact(policy_name: str) -> None:
+    """Selective checkpointing matches the recompute's calls of an op to the forward's by
+    count: one call fewer, and a kept `full(2.0)` would be handed out for `full(3.0)` (a
+    silently wrong gradient under torch's own selective checkpointing). A kept value goes
+    only to the call given what the forward's was; another is computed, with a warning."""
+    _Library.cache.clear()
+    expected = _grads(_reads_a_library_cache, torch.float64)
+    region = remat(_reads_a_library_cache, policy=POLICIES[policy_name])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            _Library.cache.clear()
+            _assert_bitwise(_grads(region, torch.float64), expected)
+    diverged = [w for w in caught if w.category is RematStateWarning and "gave aten.full" in str(w.message)]
+    assert bool(diverged) == (policy_name == "everything")  # the only policy here that keeps `full`
 
 
 _REPORTED = _cover(3)
