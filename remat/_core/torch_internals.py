@@ -12,6 +12,7 @@ import functools
 import inspect
 import itertools
 import logging
+import weakref
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -868,17 +869,18 @@ class _Calls:
 
     def __init__(self, transparent: frozenset[Any], numbered: Callable[[Any, Any, Any], bool]) -> None:
         self.transparent, self.numbered = transparent, numbered
-        self.made_by: Any = torch.utils.weak.WeakTensorKeyDictionary()  # tensor -> how it was computed
-        self.written: Any = torch.utils.weak.WeakTensorKeyDictionary()  # the same, after a write in this run
+        self.made_by = _ByTensor()  # how each tensor was computed
+        self.written = _ByTensor()  # the same, after a write in this run
         self.numbers: dict[Any, int] = {}  # a computation described -> its number (told as ("#", number))
         self.given: dict[tuple[Any, int], tuple[Any, ...]] = {}  # (cache key, index) -> what the forward's got
 
     def start(self) -> None:
         """A run (the forward, or a recompute) starts from the tensors as the region got them."""
-        self.written = torch.utils.weak.WeakTensorKeyDictionary()
+        self.written = _ByTensor()
 
-    def describe(self, args: Any, kwargs: Any) -> tuple[Any, ...]:
-        return tuple(self._origin(v) for v in itertools.chain(_leaves(args), _leaves(kwargs)))
+    def describe(self, leaves: list[Any]) -> tuple[Any, ...]:
+        """What a call was given: the leaves of its arguments (`_leaves((args, kwargs))`), told."""
+        return tuple(self._origin(v) for v in leaves)
 
     def _origin(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
@@ -900,7 +902,9 @@ class _Calls:
     def _number(self, description: Any) -> tuple[str, int]:
         return ("#", self.numbers.setdefault(description, len(self.numbers)))
 
-    def record(self, func: Any, args: Any, kwargs: Any, given: tuple[Any, ...], out: Any, index: int | None) -> None:
+    def record(
+        self, func: Any, args: Any, kwargs: Any, leaves: list[Any], given: tuple[Any, ...], out: Any, index: int | None
+    ) -> None:
         """How `out`, and what the call wrote in place, were computed."""
         described: Any = None  # a transparent op's output is told as its input
         if _unchecked(func) or any(g is _UNSEEN for g in given):  # unseen, and so what is computed from it
@@ -911,33 +915,57 @@ class _Calls:
             described = ("cast", given[0], out.dtype)
         else:
             described = (func, given, index if index is not None and self.numbered(func, args, kwargs) else None)
-        inputs = {id(t) for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        inputs = {id(t) for t in leaves if isinstance(t, torch.Tensor)}
         for position, t in enumerate(_leaves(out)):
             if isinstance(t, torch.Tensor) and id(t) not in inputs:
                 if described is None or described is _UNSEEN:
-                    self.made_by[t] = given[0] if described is None else _UNSEEN
+                    self.made_by.put(t, (given[0] if given else _UNSEEN) if described is None else _UNSEEN)
                 elif described[0] == "cast":  # as a cast autocast took from its cache is told
-                    self.made_by[t] = self._number(described)
+                    self.made_by.put(t, self._number(described))
                 else:
-                    self.made_by[t] = self._number((described, position))
+                    self.made_by.put(t, self._number((described, position)))
         for position, t in enumerate(_written_tensors(func, args, kwargs)):
-            self.written[t] = _UNSEEN if described is _UNSEEN else self._number((described, "written", position))
+            self.written.put(t, _UNSEEN if described is _UNSEEN else self._number((described, "written", position)))
 
 
 _UNSEEN = ("unseen",)  # a tensor made where no mode sees it
 
 
+class _ByTensor:
+    """A value per tensor, held without keeping the tensor alive: by its id, checked
+    against a weak reference (cheaper per op than a WeakTensorKeyDictionary's lookup)."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
+
+    def get(self, t: torch.Tensor) -> Any:
+        found = self.values.get(id(t))
+        return found[1] if found is not None and found[0]() is t else None
+
+    def put(self, t: torch.Tensor, value: Any) -> None:
+        self.values[id(t)] = (weakref.ref(t), value)
+
+
 def _written_tensors(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
     """The tensors an op writes in place, as its schema says."""
+    found = []
+    for i, name in _written_arguments(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        found += [t for t in _leaves(value) if isinstance(t, torch.Tensor)]
+    return found
+
+
+@functools.cache
+def _written_arguments(func: Any) -> tuple[tuple[int, str], ...]:
+    """The positions and names of the arguments `func` writes in place, as its schema says."""
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.is_mutable:
-        return []
-    found = []
-    for i, argument in enumerate(schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(argument.name)
-            found += [t for t in _leaves(value) if isinstance(t, torch.Tensor)]
-    return found
+        return ()
+    return tuple(
+        (i, argument.name)
+        for i, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
 
 
 def _cast_leaf(t: torch.Tensor) -> torch.Tensor | None:
@@ -962,11 +990,17 @@ _PLAIN = (int, float, bool, str, complex, type(None), torch.dtype, torch.device,
 
 def _leaves(value: Any) -> list[Any]:
     """The leaves of an op's arguments or outputs (tuples and lists of tensors, numbers, sizes)."""
-    if isinstance(value, (tuple, list)):
-        return [leaf for item in value for leaf in _leaves(item)]
     if isinstance(value, dict):
-        return [leaf for item in value.values() for leaf in _leaves(item)]
-    return [value]
+        value = list(value.values())
+    elif not isinstance(value, (tuple, list)):
+        return [value]
+    found: list[Any] = []
+    for item in value:
+        if isinstance(item, (tuple, list, dict)):
+            found += _leaves(item)
+        else:
+            found.append(item)
+    return found
 
 
 @functools.cache
@@ -996,16 +1030,17 @@ def _sac_mode_classes() -> tuple[type, type] | None:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
-            given = self.calls.describe(args, kwargs)
+            leaves = _leaves((args, kwargs))
+            given = self.calls.describe(leaves)
             if func in SAC_IGNORED_OPS or autocast_may_cache(func, args):  # neither counted nor kept
                 out = func(*args, **kwargs)
-                self.calls.record(func, args, kwargs, given, out, None)
+                self.calls.record(func, args, kwargs, leaves, given, out, None)
                 return out
             out = super().__torch_dispatch__(func, types, args, kwargs)
             key = _sac_storage_key(func, args)
             index = self.func_counter[key] - 1
             self.calls.given[key, index] = given
-            self.calls.record(func, args, kwargs, given, out, index)
+            self.calls.record(func, args, kwargs, leaves, given, out, index)
             return out
 
     class RepeatableCache(_CachedTorchDispatchMode):  # type: ignore[misc, valid-type]
@@ -1023,10 +1058,11 @@ def _sac_mode_classes() -> tuple[type, type] | None:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
-            given = self.calls.describe(args, kwargs)
+            leaves = _leaves((args, kwargs))
+            given = self.calls.describe(leaves)
             if func in SAC_IGNORED_OPS or autocast_may_cache(func, args):
                 out = func(*args, **kwargs)
-                self.calls.record(func, args, kwargs, given, out, None)
+                self.calls.record(func, args, kwargs, leaves, given, out, None)
                 return out
             key = _sac_storage_key(func, args)
             index = self.func_counter[key]  # reset when a recompute enters the mode
@@ -1045,7 +1081,7 @@ def _sac_mode_classes() -> tuple[type, type] | None:
                 out = func(*args, **kwargs)
             else:
                 out = tree_map(lambda x: x.get_val(self.allow_cache_entry_mutation), entry)
-            self.calls.record(func, args, kwargs, given, out, index)
+            self.calls.record(func, args, kwargs, leaves, given, out, index)
             return out
 
     return Caching, RepeatableCache
