@@ -25,15 +25,17 @@ def _plain(t: torch.Tensor) -> list[torch.Tensor]:
     return [plain for part in parts if isinstance(part, torch.Tensor) for plain in _plain(part)]
 
 
-def _memories(value: Any) -> dict[int, int]:
-    """Where the memory of every tensor in `value` is, with its size."""
-    found: dict[int, int] = {}
+def _memories(value: Any) -> dict[int, tuple[int, int, torch.dtype]]:
+    """Where the memory of every tensor in `value` is, with its size, the storage object that
+    owns it and the tensor's dtype (memory freed and given to another tensor, such as a Python
+    number autograd keeps as a tensor, is most often another storage's, or of another dtype)."""
+    found: dict[int, tuple[int, int, torch.dtype]] = {}
     for t in optree.tree_leaves(value):  # type: ignore[arg-type]
         if isinstance(t, torch.Tensor):
             for plain in _plain(t):
                 try:
                     storage = plain.untyped_storage()
-                    found[storage.data_ptr()] = storage.nbytes()
+                    found[storage.data_ptr()] = (storage.nbytes(), storage._cdata, plain.dtype)
                 except (RuntimeError, NotImplementedError):  # no memory to read (a fake or meta tensor)
                     continue
     return found
@@ -44,7 +46,7 @@ class _Allocations(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.made: dict[int, int] = {}
+        self.made: dict[int, tuple[int, int, torch.dtype]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -70,6 +72,6 @@ def _alive_after(forward: Callable[[], torch.Tensor]) -> int:
     gc.collect()
     alive = _memories([t for t in gc.get_objects() if issubclass(type(t), torch.Tensor)])
     del graph
-    # the same address and size: memory an op made, not memory made outside ops (checkpoint's
-    # generator state) where a freed output was
-    return sum(size for memory, size in allocations.made.items() if alive.get(memory) == size)
+    # the same address, size and storage: memory an op made, not memory made outside ops
+    # (checkpoint's generator state, a number autograd keeps) where a freed output was
+    return sum(facts[0] for memory, facts in allocations.made.items() if alive.get(memory) == facts)
