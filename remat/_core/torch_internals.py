@@ -812,11 +812,9 @@ def selective_checkpoint_contexts(
     modes = _sac_mode_classes()
     if modes is None:
         return create_selective_checkpoint_contexts(policy_fn)
-    from torch.utils.checkpoint import SAC_IGNORED_OPS
-
     caching, cached = modes
     storage: dict[Any, dict[int, Any]] = collections.defaultdict(dict)
-    calls = _Calls(frozenset(transparent) | frozenset(SAC_IGNORED_OPS) | _waits(), numbered)
+    calls = _Calls(frozenset(transparent) | _sac_ignored_ops() | _waits(), numbered)
     return caching(policy_fn, storage, calls), cached(storage, calls)
 
 
@@ -878,6 +876,17 @@ class _Calls:
         """A run (the forward, or a recompute) starts from the tensors as the region got them."""
         self.written = _ByTensor()
 
+    def take(self, func: Any, args: Any, kwargs: Any) -> tuple[list[Any], tuple[Any, ...], Any]:
+        """A call's leaves and what it was given; for a call selective checkpointing neither
+        counts nor keeps (`counted`), also its output, run and recorded here (else _NOT_RUN)."""
+        leaves = _leaves((args, kwargs))
+        given = self.describe(leaves)
+        if counted(func, args):
+            return leaves, given, _NOT_RUN
+        out = func(*args, **kwargs)
+        self.record(func, args, kwargs, leaves, given, out, None)
+        return leaves, given, out
+
     def describe(self, leaves: list[Any]) -> tuple[Any, ...]:
         """What a call was given: the leaves of its arguments (`_leaves((args, kwargs))`), told."""
         return tuple(self._origin(v) for v in leaves)
@@ -929,6 +938,20 @@ class _Calls:
 
 
 _UNSEEN = ("unseen",)  # a tensor made where no mode sees it
+_NOT_RUN = object()  # `_Calls.take` left the call to the mode
+
+
+def counted(op: Any, args: Any) -> bool:
+    """Whether selective checkpointing counts (and may keep) a call: not `SAC_IGNORED_OPS`
+    (detach and the like), nor a cast autocast may take from its cache."""
+    return op not in _sac_ignored_ops() and not autocast_may_cache(op, args)
+
+
+@functools.cache
+def _sac_ignored_ops() -> frozenset[Any]:
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    return frozenset(SAC_IGNORED_OPS)
 
 
 class _ByTensor:
@@ -1011,7 +1034,6 @@ def _sac_mode_classes() -> tuple[type, type] | None:
         from torch.utils._pytree import tree_map
         from torch.utils.checkpoint import (
             _RECOMPUTE,
-            SAC_IGNORED_OPS,
             _CachedTorchDispatchMode,
             _CachingTorchDispatchMode,
             _sac_storage_key,
@@ -1030,11 +1052,8 @@ def _sac_mode_classes() -> tuple[type, type] | None:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
-            leaves = _leaves((args, kwargs))
-            given = self.calls.describe(leaves)
-            if func in SAC_IGNORED_OPS or autocast_may_cache(func, args):  # neither counted nor kept
-                out = func(*args, **kwargs)
-                self.calls.record(func, args, kwargs, leaves, given, out, None)
+            leaves, given, out = self.calls.take(func, args, kwargs)
+            if out is not _NOT_RUN:
                 return out
             out = super().__torch_dispatch__(func, types, args, kwargs)
             key = _sac_storage_key(func, args)
@@ -1058,11 +1077,8 @@ def _sac_mode_classes() -> tuple[type, type] | None:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
-            leaves = _leaves((args, kwargs))
-            given = self.calls.describe(leaves)
-            if func in SAC_IGNORED_OPS or autocast_may_cache(func, args):
-                out = func(*args, **kwargs)
-                self.calls.record(func, args, kwargs, leaves, given, out, None)
+            leaves, given, out = self.calls.take(func, args, kwargs)
+            if out is not _NOT_RUN:
                 return out
             key = _sac_storage_key(func, args)
             index = self.func_counter[key]  # reset when a recompute enters the mode
@@ -1107,11 +1123,8 @@ class SacEntry:
     @classmethod
     def of_call(cls, caching: Any, op: Any, args: tuple[Any, ...]) -> SacEntry | None:
         """The entry of the op call the caching mode has just seen, or None for an op it
-        neither counts nor caches (`SAC_IGNORED_OPS`: detach and the like; a cast autocast
-        may take from its cache)."""
-        from torch.utils.checkpoint import SAC_IGNORED_OPS
-
-        return None if op in SAC_IGNORED_OPS or autocast_may_cache(op, args) else cls(caching, op, args)
+        neither counts nor caches (`counted`)."""
+        return cls(caching, op, args) if counted(op, args) else None
 
     def kept(self) -> bool:
         """Whether the recompute takes this call's output from the cache."""

@@ -321,10 +321,7 @@ def test_saved_tensor_bytes_and_compare_count_what_replayed_regions_keep(name: s
     w = torch.randn(4, 4, dtype=torch.float64, requires_grad=True)
 
     def twice(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # x + x, not x * 2: autograd keeps `* 2`'s scalar, a tensor made outside any op and
-        # not through saved-tensor hooks, which the oracle counts when it lands where a freed
-        # op output was (a flaky 8 bytes) and saved_tensor_bytes never does
-        return region(x, w) + region(x + x, w).sin()
+        return region(x, w) + region(x * 2, w).sin()
 
     def dropped(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         region(x, w)
