@@ -1,1 +1,1 @@
-"""The bottom layer: node metadata, errors and warnings, the tracing lock, remat's own op, and every private torch API (torch_internals). Imports nothing of remat."""
+"""The bottom layer: node metadata, errors and warnings, the tracing lock, remat's own op, the labels of a replayed region's op calls, and every private torch API (torch_internals). Imports nothing of remat."""
