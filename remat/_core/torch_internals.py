@@ -12,6 +12,7 @@ import functools
 import inspect
 import itertools
 import logging
+import operator
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -462,7 +463,7 @@ def factory_defaults() -> tuple[Any, ...]:
 def kernel_choices() -> tuple[Any, ...]:
     """The switches that choose which ops composites trace to (see above), as a key part."""
     return (
-        *(get() for get in _KERNEL_SWITCHES),
+        *map(operator.call, _KERNEL_SWITCHES),  # in C: a generator here costs as much as the switches
         tuple(_priority_order()),
         _OPT_EINSUM_SET.get("enabled", _OPT_EINSUM_DEFAULT["enabled"]),
         _OPT_EINSUM_SET.get("strategy", _OPT_EINSUM_DEFAULT["strategy"]),
@@ -693,13 +694,25 @@ def op_entry_point(namespace: str, name: str, overload: str) -> Callable[..., An
     return op._op if type(op) is torch._ops.OpOverload else None  # type: ignore[no-any-return]
 
 
+def entry_point_of(target: Any) -> Callable[..., Any] | None:
+    """The C++ entry point calling `target` forwards to, for an op overload (see
+    `op_entry_point`); None for any other target."""
+    return target._op if type(target) is torch._ops.OpOverload else None  # type: ignore[no-any-return]
+
+
+def plain_code_generation(graph: torch.fx.Graph) -> bool:
+    """Whether fx's code for `graph` takes its placeholders as they are and returns its
+    output as it is (no pytree flattening around it; torch 2.13: fx/graph.py `Graph._codegen`)."""
+    return type(graph._codegen) is torch.fx.graph.CodeGen
+
+
 def generated_code(gm: torch.fx.GraphModule) -> tuple[str, dict[str, Any]]:
     """fx's Python code for `gm` and the globals it runs with. A graph with plain code
     generation gets them from the graph, without compiling fx's own forward too (a lazy
     graph module that never ran would compile it only for it to be replaced: milliseconds
     per graph); any other from the module, as fx compiled it (torch 2.13: fx/graph.py
     `Graph._codegen`, `python_code`)."""
-    if type(gm.graph._codegen) is torch.fx.graph.CodeGen:
+    if plain_code_generation(gm.graph):
         generated = gm.graph.python_code(root_module="self")
         return generated.src, dict(generated.globals)
     code = gm.code  # a lazy graph module generates its code (and forward) here

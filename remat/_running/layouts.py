@@ -6,7 +6,7 @@ where its meta function says bfloat16; any kernel may lay out its output otherwi
 its meta function says. The op itself is what eager code runs too, so its real value is right; what can
 go wrong is the rest of the graph, traced under the wrong belief (autocast inserts a cast
 only where it sees another dtype; `as_strided` reads memory order). So the first run of
-each graph of a plan goes node by node and compares every value with what was traced:
+each graph of a plan goes node by node (`graph_code.run_checked_nodes`) and compares every value with what was traced:
 - an op whose inputs were as traced may differ (the meta function's mistake): accepted,
   and its value marked (CUDA's memory-efficient attention gives its dropout seed and offset
   on the CPU where its meta function says the GPU; its backward op takes them as they are);
@@ -26,6 +26,7 @@ import torch.fx
 from .._core.errors import RematError
 from .._core.nodes import AS_STRIDED_OPS, is_view, producer, source_line
 from .._core.torch_internals import OpOverload, has_batched_level
+from .graph_code import run_checked_nodes
 
 
 def _strides_agree(real: torch.Tensor, traced: torch.Tensor) -> bool:
@@ -59,18 +60,15 @@ def _reader_of_memory_order(n: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
-class _LayoutCheck(torch.fx.Interpreter):
-    """Runs a graph, comparing each value with the traced one (see the module docstring)."""
+class _LayoutCheck:
+    """Compares each value of a graph's run with the traced one (see the module docstring),
+    called with each placeholder's and each call's node and value as the run makes them."""
 
-    def __init__(self, gm: torch.fx.GraphModule, region: str) -> None:
-        super().__init__(gm)
+    def __init__(self, region: str) -> None:
         self.region = region
         self.differs: dict[torch.fx.Node, torch.fx.Node] = {}  # value -> the op where it first differed
 
-    def run_node(self, n: torch.fx.Node) -> Any:
-        out = super().run_node(n)
-        if n.op not in ("placeholder", "call_function"):
-            return out
+    def __call__(self, n: torch.fx.Node, out: Any) -> Any:
         upstream = next((self.differs[a] for a in n.all_input_nodes if a in self.differs), None)
         op = producer(n).target
         traced = n.meta.get("val")
@@ -108,10 +106,26 @@ class _LayoutCheck(torch.fx.Interpreter):
         return out
 
 
+class _CheckingInterpreter(torch.fx.Interpreter):
+    """Runs a graph `run_checked_nodes` does not, checking as it would."""
+
+    def __init__(self, gm: torch.fx.GraphModule, check: _LayoutCheck) -> None:
+        super().__init__(gm)
+        self.check = check
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        return self.check(n, out) if n.op in ("placeholder", "call_function") else out
+
+
 def run_checked(gm: torch.fx.GraphModule, region: str, *inputs: Any) -> tuple[Any, bool]:
     """Run `gm` on `inputs`, checking values against the trace when it can (not under vmap,
     whose batched tensors have other strides): returns the outputs and whether it checked."""
     if any(isinstance(t, torch.Tensor) and has_batched_level(t) for t in inputs):
         gm.code  # a lazy graph module generates its forward here (its first forward would call gm(...))
         return gm.forward(*inputs), False  # not gm(...): module hooks (a global one) are not for remat's graphs
-    return _LayoutCheck(gm, region).run(*inputs), True
+    check = _LayoutCheck(region)
+    ran, outputs = run_checked_nodes(gm, check, inputs)
+    if ran:
+        return outputs, True
+    return _CheckingInterpreter(gm, check).run(*inputs), True

@@ -297,20 +297,33 @@ def test_a_module_setting_of_a_subclass_of_a_plain_type_is_in_the_key() -> None:
 
 
 def test_direct_code_runs_a_graph_as_fx_code_does() -> None:
-    """The code cache hits run (each aten op through its C++ entry point) against fx's own
-    code for the same graph: overloads, keyword and list arguments, a multi-output op."""
+    """The code cache hits run (each aten op through its C++ entry point), as remat writes
+    it and as fx writes it, against fx's own module for the same graph: overloads, keyword
+    and list arguments, a float constant, a multi-output op and its items; a graph's first
+    run, node by node, hands every placeholder and call to the check in graph order; a
+    graph remat does not write (a constant attribute) runs through fx's code."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from remat._running.graph_code import direct_code
+    from remat._running.graph_code import _fx_direct_code, _source, direct_code, run_checked_nodes
 
     def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
         y = torch.cat([x @ w, x.t()], dim=0).to(torch.float64)
         values, indices = torch.max(y, dim=1)
-        return y.sum(dim=[0], keepdim=True), torch.add(y, 1, alpha=2), values, indices
+        return y.sum(dim=[0], keepdim=True), torch.add(y, 1, alpha=2), values, indices, y * 0.5
 
     x, w = torch.randn(3, 3), torch.randn(3, 3)
     gm = make_fx(f)(x, w)
-    direct = direct_code(gm)
-    assert "ops" not in direct.func.__code__.co_names  # type: ignore[attr-defined]  # no torch.ops.<...> left
-    for actual, expected in zip(direct(x, w), gm(x, w), strict=True):
+    written, by_fx = direct_code(gm), _fx_direct_code(gm)
+    assert "ops" not in written.__code__.co_names and "ops" not in by_fx.func.__code__.co_names  # type: ignore[attr-defined]
+    for actual_written, actual_fx, expected in zip(written(x, w), by_fx(x, w), gm(x, w), strict=True):
+        torch.testing.assert_close(actual_written, expected, rtol=0, atol=0)
+        torch.testing.assert_close(actual_fx, expected, rtol=0, atol=0)
+    seen: list[torch.fx.Node] = []
+    ran, outputs = run_checked_nodes(gm, lambda node, value: seen.append(node) or value, (x, w))
+    assert ran
+    for actual, expected in zip(outputs, gm(x, w), strict=True):
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)
+    assert seen == [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
+    with_attribute = torch.fx.symbolic_trace(torch.nn.Linear(3, 3))  # get_attr nodes: fx's code
+    assert _source(with_attribute.graph) is None and run_checked_nodes(with_attribute, lambda n, v: v, (x,)) == (False, None)
+    torch.testing.assert_close(direct_code(with_attribute)(x), with_attribute(x), rtol=0, atol=0)
