@@ -78,12 +78,12 @@ class _OpRecorder(TorchDispatchMode):
         self.decomposes: dict[tuple[int, str | None], bool] = {}
         # Told the nodes of each op run at this mode's level (not those of the decompositions
         # it runs below), as a mode above it would see them (`reporting_ops`).
-        self.report: Callable[[list[torch.fx.Node | None]], None] | None = None
+        self.report: Callable[[list[torch.fx.Node | None], list[torch.Tensor]], None] | None = None
         self.depth = 0  # ops being recorded, one inside another (decompositions)
 
     @contextlib.contextmanager
-    def reporting_ops(self, report: Callable[[list[torch.fx.Node | None]], None]) -> Iterator[None]:
-        """Within: `report` gets the nodes of each op's tensor outputs, what a dispatch mode
+    def reporting_ops(self, report: Callable[[list[torch.fx.Node | None], list[torch.Tensor]], None]) -> Iterator[None]:
+        """Within: `report` gets the nodes of each op's tensor outputs and the outputs, what a dispatch mode
         entered above this one would see, without the cost of another mode on every op."""
         previous, self.report = self.report, report
         try:
@@ -169,7 +169,8 @@ class _OpRecorder(TorchDispatchMode):
                 out = self.record(func, args, kwargs, name)
             finally:
                 self.depth -= 1
-        self.report([self.node_of(x) for x in _leaves(out) if isinstance(x, torch.Tensor)])
+        tensors = [x for x in _leaves(out) if isinstance(x, torch.Tensor)]
+        self.report([self.node_of(x) for x in tensors], tensors)
         return out
 
     def record(self, func: Any, args: Sequence[Any], kwargs: dict[str, Any], name: str) -> Any:

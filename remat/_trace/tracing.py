@@ -19,6 +19,7 @@ import operator
 import sys
 import types
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -68,6 +69,7 @@ from .._core.torch_internals import (
     unwrap_transforms,
 )
 from .arguments import Call, needs_grad
+from .caches import CacheWatch
 from .failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_line
 from .functions import UNIT_MARKERS, UNIT_OUTPUT, UnitRecorder, check_units, interiors, leaving_unit
 from .hooks import HookCall, HookRecorder
@@ -233,11 +235,13 @@ def refuse_custom_function(value: Any) -> None:
         raise CustomFunctionUsed(function)
 
 
-def _annotating(guard: _GuardTracing, draws: DrawTracker) -> contextlib.AbstractContextManager[Any]:
+def _annotating(
+    guard: _GuardTracing, draws: DrawTracker, made: list[weakref.ref[torch.Tensor]]
+) -> contextlib.AbstractContextManager[Any]:
     """While the user's function runs (called from the function that calls it, where the
     user's lines end): every op it runs gets its user line and scope written on its nodes,
     by remat's recorder when it records the trace, else by a mode of its own above make_fx's."""
-    annotator = _Annotator(sys._getframe(1).f_code, guard, draws)
+    annotator = _Annotator(sys._getframe(1).f_code, guard, draws, made)
     recorder = active_recorder()
     return recorder.reporting_ops(annotator) if recorder is not None else _AnnotatingMode(annotator)
 
@@ -246,15 +250,19 @@ class _Annotator:
     """Writes on the nodes of each op the function runs the user's file:line and, inside a
     nested region, its scope."""
 
-    def __init__(self, boundary: types.CodeType, guard: _GuardTracing, draws: DrawTracker) -> None:
+    def __init__(
+        self, boundary: types.CodeType, guard: _GuardTracing, draws: DrawTracker, made: list[weakref.ref[torch.Tensor]]
+    ) -> None:
         self.boundary = boundary  # the frame that calls the user's function: user lines end there
         self.guard = guard  # knows the grad mode of the user's call that runs the op
         self.draws = draws
         self.scanned: torch.fx.Node | None = None  # the last node looked at for random draws
+        self.made = made  # what the function's ops gave it
 
-    def __call__(self, nodes: list[torch.fx.Node | None]) -> None:
+    def __call__(self, nodes: list[torch.fx.Node | None], tensors: list[torch.Tensor]) -> None:
         if not nodes:  # a size or device query (the autograd engine and fake tensors make many)
             return
+        self.made += map(weakref.ref, tensors)
         line = user_line(self.boundary)
         state = _TRACING.get()
         scope = state[1] if state is not None else 0
@@ -305,7 +313,8 @@ class _AnnotatingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        self.annotator([traced_node(leaf) for leaf in optree.tree_leaves(out) if isinstance(leaf, torch.Tensor)])
+        tensors = [leaf for leaf in optree.tree_leaves(out) if isinstance(leaf, torch.Tensor)]
+        self.annotator([traced_node(t) for t in tensors], tensors)
         return out
 
 
@@ -342,7 +351,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
             replacements[i] = t
         guard = _GuardTracing(under_transform, eager_caches)
         units_recording = units.recording() if units is not None else contextlib.nullcontext()
-        with call.substituted(replacements), _annotating(guard, draws), guard, hooks.recording(), units_recording:
+        with call.substituted(replacements), _annotating(guard, draws, made), guard, hooks.recording(), units_recording:
             out = fn(*args, **kwargs)
         leaves, spec = optree.tree_flatten(out)
         for leaf in leaves:
@@ -368,8 +377,11 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         before = Snapshot.take(roots, [fn])
         draws = DrawTracker()
         hooks = HookRecorder()
+        made: list[weakref.ref[torch.Tensor]] = []  # what the function's ops gave it
+        watch = CacheWatch()
 
         def restart() -> None:  # what a run the recorder gave up on noted
+            _empty_caches_holding_stand_ins(fn_name, fn, watch, made)
             del scopes[1:]
             draws.start()
             hooks.start()
@@ -387,6 +399,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
             raise failure from error
         finally:
             draws.restore()
+            _empty_caches_holding_stand_ins(fn_name, fn, watch, made)
         try:
             _refuse_stand_ins(fn_name, roots, out_info["static"], hooks.calls)
         except RematTraceError as error:
@@ -459,6 +472,27 @@ def _reads_storage_offsets(gm: torch.fx.GraphModule) -> bool:
             if isinstance(source, torch.fx.Node) and source.op == "placeholder":
                 return True
     return False
+
+
+def _empty_caches_holding_stand_ins(fn_name: str, fn: Callable[..., Any], watch: CacheWatch, made: list[Any]) -> None:
+    """Empty the lru caches the trace attempt filled with its stand-ins (`caches`), and
+    warn once per region and cache."""
+    code = _code_of(fn)
+    for name in watch.empty_those_holding(made):
+        key = (fn_name if code is None else code, name)
+        if key in _WARNED_CHANGES:
+            continue
+        _WARNED_CHANGES.add(key)
+        message = (
+            f"remat: `{fn_name}` caches a tensor it computes in `{name}` (a functools.lru_cache) while traced, "
+            "where that cache would hold a tracing stand-in, not a value; remat emptied the cache, so its next "
+            f"call computes the value again. To keep its values, call `{name.rsplit('.', 1)[-1]}` outside the "
+            "remat'd function and pass the result in."
+        )
+        if code is None:
+            warnings.warn(message, RematStateWarning, stacklevel=5)
+        else:
+            warnings.warn_explicit(message, RematStateWarning, code.co_filename, code.co_firstlineno)
 
 
 def _refuse_stand_ins(fn_name: str, roots: list[tuple[str, Any]], out_static: list[Any], hook_calls: list[HookCall]) -> None:

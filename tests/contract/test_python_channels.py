@@ -9,6 +9,7 @@ them against eager code, under every transform the channel meets.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any, Callable
 
@@ -394,6 +395,97 @@ def test_a_computed_tensor_stored_where_the_caller_sees_it_is_refused_when_trace
     with pytest.raises(RematTraceError, match=match):
         torch.func.grad(remat(_stores_in(box)))(torch.randn(3, dtype=D))
     assert box == {}
+
+
+@functools.lru_cache(maxsize=8)
+def _table(n: int) -> torch.Tensor:
+    """A position table cached by a library function, as models cache theirs."""
+    return torch.arange(n, dtype=D).mul(0.5).exp().sin()
+
+
+@functools.cache
+def _pair(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.arange(n, dtype=D) * 0.25
+    return angles.cos(), angles.sin()
+
+
+class _Anchored(torch.nn.Module):
+    """A module whose method is cached per instance and argument (OmDet-Turbo's anchors)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4, dtype=D)
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (a cached method, as the library writes it)
+    def anchors(self, n: int) -> torch.Tensor:
+        return torch.linspace(-1, 1, n, dtype=D).tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = _pair(x.shape[-1])
+        return self.proj(x * _table(x.shape[-1]) + self.anchors(x.shape[-1])) * cos + sin
+
+
+def _cached_values_are_real() -> bool:
+    values = [_table(4), *_pair(4), _Anchored().anchors(4)]
+    return all(type(v) is torch.Tensor for v in values)
+
+
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+@pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
+def test_a_library_cache_filled_while_traced_is_emptied_and_exact(policy_name: str, transform: str) -> None:
+    """functools caches (a function's, a tuple-valued one's, a method's) that the region
+    fills while remat traces it hold no stand-in afterwards: the region's values and
+    gradients, and what eager code gets from the caches after, equal eager code's."""
+    torch.manual_seed(0)
+    module = _Anchored()
+    x = torch.randn(3, 4, dtype=D)
+    run = TRANSFORMS[transform]
+    for cache in (_table, _pair, _Anchored.anchors):
+        cache.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat_package.RematStateWarning)
+        actual = run(lambda t, p: remat(module, policy=CHANNEL_POLICIES[policy_name])(t).sum(), x, {})
+        assert _cached_values_are_real()
+        again = run(lambda t, p: remat(module, policy=CHANNEL_POLICIES[policy_name])(t).sum(), x, {})
+    expected = run(lambda t, p: module(t).sum(), x, {})
+    assert_close(actual, expected, rtol=0, atol=0)
+    assert_close(again, expected, rtol=0, atol=0)
+
+
+def test_emptying_a_library_cache_is_said_once_per_region_naming_the_cache() -> None:
+    def positions(x: torch.Tensor) -> torch.Tensor:
+        cos, sin = _pair(x.shape[-1])
+        return (x * _table(x.shape[-1])).tanh() * cos + sin
+
+    _table.cache_clear()
+    _pair.cache_clear()
+    region = remat(positions)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (4, 5):  # a new size: traced again, the caches filled and emptied again
+            region(torch.randn(2, n, dtype=D, requires_grad=True)).sum().backward()
+    said = [str(w.message) for w in caught if issubclass(w.category, remat_package.RematStateWarning)]
+    assert len(said) == 2 and all("remat emptied the cache" in m for m in said), said
+    assert {m.split("`")[3].rsplit(".", 1)[-1] for m in said} == {"_table", "_pair"}
+    assert _cached_values_are_real()
+
+
+def test_a_library_cache_filled_by_a_trace_that_fails_holds_no_stand_in_for_the_replay() -> None:
+    """A region remat cannot trace (a value-dependent shape) runs replayed; the cache its
+    failed trace filled is emptied first, so the replay and later eager calls get values."""
+    def routed(x: torch.Tensor) -> torch.Tensor:
+        y = x * _table(x.shape[-1])
+        return y[y > 0].sum() + y.tanh().sum()
+
+    _table.cache_clear()
+    x = torch.randn(3, 4, dtype=D, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat_package.RematFallbackWarning)
+        warnings.simplefilter("ignore", remat_package.RematStateWarning)
+        actual = remat(routed)(x)
+    assert _cached_values_are_real()
+    expected = routed(x)
+    assert_close((actual, torch.autograd.grad(actual, x)), (expected, torch.autograd.grad(expected, x)), rtol=0, atol=0)
 
 
 def test_an_output_object_optree_does_not_flatten_is_refused() -> None:

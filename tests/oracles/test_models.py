@@ -428,6 +428,47 @@ def test_what_transformers_records_with_hooks_matches_no_remat(name: str) -> Non
     assert_close(_recorded_steps(model, flags), _recorded_steps(reference, flags), rtol=1e-10, atol=1e-12)
 
 
+def _dinov3() -> torch.nn.Module:
+    from transformers import DINOv3ViTConfig, DINOv3ViTModel
+
+    config = DINOv3ViTConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, image_size=32,
+        patch_size=8, num_register_tokens=1, hidden_dropout_prob=0.1,
+    )
+    return DINOv3ViTModel(config).double().train()
+
+
+@pytest.mark.parametrize("policy_name", ["nothing", "dots"])
+def test_a_model_that_caches_tensors_with_lru_cache_matches_no_remat(policy_name: str) -> None:
+    """transformers' DINOv3 ViT computes its patch coordinates in a function cached with
+    functools.lru_cache: remat of the whole model (the cache filled while it traces) gives
+    the loss, every gradient and the random stream of no remat, over two sizes and a
+    second call, and the model without remat afterwards computes real tensors."""
+    pytest.importorskip("transformers.models.dinov3_vit")
+
+    def steps(model: torch.nn.Module, call: Callable[..., Any]) -> list[Any]:
+        torch.manual_seed(SEED)
+        found = []
+        for size in (32, 32, 24):
+            x = torch.randn(2, 3, size, size, dtype=torch.float64)
+            loss = call(pixel_values=x).last_hidden_state.pow(2).mean()
+            loss.backward()
+            found.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+            model.zero_grad()
+        return [*found, torch.rand(2)]
+
+    torch.manual_seed(0)
+    reference = _dinov3()
+    model = copy.deepcopy(reference)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", remat.RematStateWarning)  # remat says it emptied the cache
+        actual = steps(model, remat.remat(model, policy=MODEL_POLICIES[policy_name]))
+    expected = steps(reference, reference)
+    assert_close(actual, expected, rtol=0, atol=0)
+    after = model(pixel_values=torch.randn(1, 3, 32, 32, dtype=torch.float64)).last_hidden_state
+    assert type(after) is torch.Tensor
+
+
 # ---------------------------------------------------------------- the whole model in one line
 
 ONE_LINE = {  # architecture: (build, the policy it is tested under)

@@ -325,5 +325,6 @@ def test_direct_code_runs_a_graph_as_fx_code_does() -> None:
         torch.testing.assert_close(actual, expected, rtol=0, atol=0)
     assert seen == [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
     with_attribute = torch.fx.symbolic_trace(torch.nn.Linear(3, 3))  # get_attr nodes: fx's code
-    assert _source(with_attribute.graph) is None and run_checked_nodes(with_attribute, lambda n, v: v, (x,)) == (False, None)
+    assert _source(with_attribute.graph) is None
+    assert run_checked_nodes(with_attribute, lambda n, v: v, (x,)) == (False, None)
     torch.testing.assert_close(direct_code(with_attribute)(x), with_attribute(x), rtol=0, atol=0)
