@@ -57,10 +57,10 @@ COMPILE_SIZE = B.Size(4, 256, 128, 4, "float32", 9, 2, 0, "bench_remat's cpu siz
 LENGTHS_SIZE = B.Size(2, 128, 0, 2, "float32", 0, 0, 0, "variable-length loop")
 
 
-def _variants(block: Callable[..., torch.Tensor]) -> dict[str, Callable[..., torch.Tensor]]:
+def _variants(block: Callable[..., torch.Tensor], device: torch.device) -> dict[str, Callable[..., torch.Tensor]]:
     """The variants of bench_remat that have a compiled counterpart (torch_remat excluded)."""
     names = ("none", "tuc", "tuc_sac_dots", "remat_nothing_saveable", "remat_dots_saveable")
-    return {v.name: v.call for v in B.build_variants(block, with_torch_remat=False) if v.name in names}
+    return {v.name: v.call for v in B.build_variants(block, with_torch_remat=False, device=device) if v.name in names}
 
 
 def _step_ms(forward: Callable[..., torch.Tensor], wl: B.Workload, clock: str) -> float:
@@ -77,7 +77,7 @@ def measure_compile(device: torch.device, clock: str, repeats: int) -> dict[str,
     reference = B.step(wl.block, wl)
     rows: dict[str, dict[str, Any]] = {}
     runs: dict[str, Callable[..., torch.Tensor]] = {}
-    for name, call in _variants(wl.block).items():
+    for name, call in _variants(wl.block, wl.x.device).items():
         for compiled in (False, True):
             key = f"{name} ({'compiled' if compiled else 'eager'})"
             forward = B.stack_of(call)
@@ -111,7 +111,7 @@ def measure_lengths(device: torch.device, lengths: list[int]) -> dict[str, Any]:
     base = B.build_workload("gpt_sdpa", B.Size(size.layers, size.d_model, max(lengths), size.batch, "float32", 0, 0, 0, ""), device, 0)
     batches = [base.x[:, :n].detach().clone().requires_grad_() for n in lengths]
     rows: dict[str, Any] = {}
-    for name, call in _variants(base.block).items():
+    for name, call in _variants(base.block, base.x.device).items():
         if name == "none":
             continue
         for compiled in (False, True):
