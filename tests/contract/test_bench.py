@@ -110,6 +110,26 @@ def test_rewriting_the_results_keeps_the_other_scripts_sections(tmp_path: Path) 
     assert "\nnew rows" in kept and "new budget rows" in kept and "\nbudget rows" not in kept
 
 
+def test_the_compile_benchmark_builds_its_variants_and_their_steps_match_no_checkpointing() -> None:
+    """bench_compile.py's variants (the ones with a compiled counterpart) are bench_remat's,
+    built for the workload's device; each step's gradients equal no checkpointing's."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import bench_compile
+        import bench_remat
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    size = bench_remat.Size(1, 64, 8, 2, "float64", 0, 0, 0, "test")
+    wl = bench_remat.build_workload("gpt_sdpa", size, torch.device("cpu"), seed=0)
+    variants = bench_compile._variants(wl.block, wl.x.device)
+    assert set(variants) == {"none", "tuc", "tuc_sac_dots", "remat_nothing_saveable", "remat_dots_saveable"}
+    reference = bench_remat.step(wl.block, wl)
+    for call in variants.values():
+        torch.testing.assert_close(bench_remat.step(call, wl), reference, rtol=0, atol=0)
+
+
 def test_the_budget_benchmark_meets_torch_s_frontier(tmp_path: Path) -> None:
     """bench/budget_vs_torch.py at its smoke size: both sides exact, and at torch's kept
     bytes remat recomputes no more (the row the benchmark judges)."""
