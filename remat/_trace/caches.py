@@ -8,10 +8,11 @@ call, with or without remat, is handed that stand-in instead of a value: eager c
 returns fake tensors, and a replay or another trace of the region fails. After each trace
 attempt remat finds the caches that took in a value the attempt computed and empties them
 (`cache_clear`), so the next call computes the value again, as a cache that never held it
-would. The watch compares the caches' miss counts before and after the attempt; only the
-caches that missed are looked into. The caches are found by one walk of the objects the
-garbage collector tracks, done again when modules were imported since the last walk (a
-cache made later, one per instance, is found at the next walk).
+would. Only when a value the attempt computed outlived it (a trace that stores none leaves
+none alive) are the caches looked into: found by one walk of the objects the garbage
+collector tracks (tens of ms in a large process), done again only when modules were
+imported since the last walk (a cache made later, one per instance, is found at the next
+walk).
 """
 
 from __future__ import annotations
@@ -40,26 +41,20 @@ def _caches() -> list[Any]:
     return [cache for cache in (ref() for ref in _FOUND) if cache is not None]
 
 
-class CacheWatch:
-    """The lru caches of the process and their miss counts, taken before a trace attempt."""
-
-    def __init__(self) -> None:
-        self.caches = _caches()
-        self.misses = [cache.cache_info().misses for cache in self.caches]
-
-    def empty_those_holding(self, made: Iterable[weakref.ref[torch.Tensor]]) -> list[str]:
-        """Empty each cache that missed since the watch began and now holds one of the
-        tensors `made` refers to; their names. The watch then begins again."""
-        missed = [c for c, before in zip(self.caches, self.misses, strict=True) if c.cache_info().misses != before]
-        emptied: list[str] = []
-        if missed:
-            ids = {id(t) for t in (ref() for ref in made) if t is not None}
-            for cache in missed:
-                if any(id(t) in ids for t in _cached_tensors(cache)):
-                    cache.cache_clear()
-                    emptied.append(_name(cache))
-        self.misses = [cache.cache_info().misses for cache in self.caches]
-        return emptied
+def empty_caches_holding(made: Iterable[weakref.ref[torch.Tensor]], inputs: Iterable[torch.Tensor]) -> list[str]:
+    """Empty each lru cache that holds one of the tensors `made` refers to (a trace
+    attempt's values, `inputs` aside: an in-place op hands back its input); their names.
+    Nothing is looked up while none of those tensors outlived the attempt, the common case."""
+    alive = {id(t) for t in (ref() for ref in made) if t is not None}
+    alive.difference_update(map(id, inputs))
+    if not alive:
+        return []
+    emptied: list[str] = []
+    for cache in _caches():
+        if any(id(t) in alive for t in _cached_tensors(cache)):
+            cache.cache_clear()
+            emptied.append(_name(cache))
+    return emptied
 
 
 def _cached_tensors(cache: Any) -> list[torch.Tensor]:

@@ -69,7 +69,7 @@ from .._core.torch_internals import (
     unwrap_transforms,
 )
 from .arguments import Call, needs_grad
-from .caches import CacheWatch
+from .caches import empty_caches_holding
 from .failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_line
 from .functions import UNIT_MARKERS, UNIT_OUTPUT, UnitRecorder, check_units, interiors, leaving_unit
 from .hooks import HookCall, HookRecorder
@@ -378,10 +378,9 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         draws = DrawTracker()
         hooks = HookRecorder()
         made: list[weakref.ref[torch.Tensor]] = []  # what the function's ops gave it
-        watch = CacheWatch()
 
         def restart() -> None:  # what a run the recorder gave up on noted
-            _empty_caches_holding_stand_ins(fn_name, fn, watch, made)
+            _empty_caches_holding_stand_ins(fn_name, fn, made, fakes)
             del scopes[1:]
             draws.start()
             hooks.start()
@@ -399,7 +398,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
             raise failure from error
         finally:
             draws.restore()
-            _empty_caches_holding_stand_ins(fn_name, fn, watch, made)
+            _empty_caches_holding_stand_ins(fn_name, fn, made, fakes)
         try:
             _refuse_stand_ins(fn_name, roots, out_info["static"], hooks.calls)
         except RematTraceError as error:
@@ -474,11 +473,11 @@ def _reads_storage_offsets(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _empty_caches_holding_stand_ins(fn_name: str, fn: Callable[..., Any], watch: CacheWatch, made: list[Any]) -> None:
+def _empty_caches_holding_stand_ins(fn_name: str, fn: Callable[..., Any], made: list[Any], inputs: list[torch.Tensor]) -> None:
     """Empty the lru caches the trace attempt filled with its stand-ins (`caches`), and
     warn once per region and cache."""
     code = _code_of(fn)
-    for name in watch.empty_those_holding(made):
+    for name in empty_caches_holding(made, inputs):
         key = (fn_name if code is None else code, name)
         if key in _WARNED_CHANGES:
             continue
