@@ -569,7 +569,7 @@ class RematerializedModule(torch.nn.Module):
         for this wrapper too; hooks registered on the wrapper itself run as on any module."""
         if self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks or self._backward_hooks:
             return super().__call__(*args, **kwargs)
-        return self.forward(*args, **kwargs)
+        return self.rematerialized(*args, **kwargs)  # what forward does, one call fewer
 
     def train(self, mode: bool = True) -> RematerializedModule:
         self.wrapped_module.train(mode)

@@ -442,17 +442,17 @@ class ModuleSnapshot:
         self.types = list(map(type, self.subs))
         self.dicts = list(map(vars, self.subs))
         self.lengths = list(map(len, self.dicts))
-        self.watchers = [_reader(tuple(k for k in d if k not in _MODULE_INTERNALS)) for d in self.dicts]
+        # per module: the values under its own names, then its three tables, read in one pass
+        self.watchers = [_reader((*(k for k in d if k not in _MODULE_INTERNALS), *_TABLE_NAMES)) for d in self.dicts]
         self.watched = list(itertools.chain.from_iterable(map(operator.call, self.watchers, self.dicts)))
         self.tensors = _tensor_attributes(self.dicts)
         self.readers = [_reader(tuple(k for k in d if k[0] != "_")) for d in self.dicts]
         self.values = list(map(operator.call, self.readers, self.dicts))
         self.tables = list(itertools.chain.from_iterable(map(_TABLES, self.dicts)))
         self.sizes = list(map(len, self.tables))
-        filled = [table for table in self.tables if table]
-        self.filled = _reader(tuple(i for i, table in enumerate(self.tables) if table))  # the tables not empty
-        self.entries = [_reader(tuple(table)) for table in filled]
-        self.objects = list(itertools.chain.from_iterable(map(operator.call, self.entries, filled)))
+        self.filled = [table for table in self.tables if table]  # the tables not empty
+        self.entries = [_reader(tuple(table)) for table in self.filled]
+        self.objects = list(itertools.chain.from_iterable(map(operator.call, self.entries, self.filled)))
 
     def _global_values(self) -> list[Any]:
         if self.globals is None:
@@ -472,26 +472,34 @@ class ModuleSnapshot:
             watched = list(itertools.chain.from_iterable(map(operator.call, self.watchers, dicts)))
         except KeyError:
             return False
-        if not all(map(operator.is_, watched, self.watched)):
-            try:
-                if list(map(operator.call, self.readers, dicts)) != self.values:
-                    return False
-            except Exception:  # a value whose comparison raises (a tensor attribute): walk again
-                return False
-            names, tensors = _tensor_attributes(dicts)
-            if names != self.tensors[0] or not all(map(operator.is_, tensors, self.tensors[1])):
-                return False
-        tables = list(itertools.chain.from_iterable(map(_TABLES, dicts)))
-        if not all(map(operator.is_, tables, self.tables)) or list(map(len, tables)) != self.sizes:
+        if not all(map(operator.is_, watched, self.watched)) and not self._same_settings(dicts):
             return False
-        try:  # the same number of entries, and the same object under each name: the same table
-            objects = itertools.chain.from_iterable(map(operator.call, self.entries, self.filled(tables)))
+        # the same table objects now (checked above): their sizes, and the same object under each name
+        if list(map(len, self.tables)) != self.sizes:
+            return False
+        try:
+            objects = itertools.chain.from_iterable(map(operator.call, self.entries, self.filled))
             return all(map(operator.is_, objects, self.objects))
         except KeyError:  # a name is gone
             return False
 
+    def _same_settings(self, dicts: list[dict[str, Any]]) -> bool:
+        """Where some attribute is another object than before: the same tables, settings
+        equal by value, the same tensor attributes under the same names."""
+        tables = list(itertools.chain.from_iterable(map(_TABLES, dicts)))
+        if not all(map(operator.is_, tables, self.tables)):
+            return False
+        try:
+            if list(map(operator.call, self.readers, dicts)) != self.values:
+                return False
+        except Exception:  # a value whose comparison raises (a tensor attribute): walk again
+            return False
+        names, tensors = _tensor_attributes(dicts)
+        return names == self.tensors[0] and all(map(operator.is_, tensors, self.tensors[1]))
 
-_TABLES = operator.itemgetter("_parameters", "_buffers", "_modules")
+
+_TABLE_NAMES = ("_parameters", "_buffers", "_modules")
+_TABLES = operator.itemgetter(*_TABLE_NAMES)
 
 
 # What every nn.Module's __init__ puts in its __dict__ (hook tables, the parameter, buffer
