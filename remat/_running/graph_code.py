@@ -59,10 +59,7 @@ def run_checked_nodes(gm: torch.fx.GraphModule, check: Check, inputs: tuple[Any,
     nodes = list(gm.graph.nodes)
     if not plain_code_generation(gm.graph) or any(n.op not in _WRITTEN for n in nodes):
         return False, None
-    last_use: dict[torch.fx.Node, int] = {}
-    for i, node in enumerate(nodes):
-        for used in node.all_input_nodes:
-            last_use[used] = i
+    last_use = _last_uses(nodes)
     env: dict[torch.fx.Node, Any] = {}
     given = iter(inputs)
     load = functools.partial(torch.fx.node.map_arg, fn=env.__getitem__)
@@ -84,6 +81,15 @@ def run_checked_nodes(gm: torch.fx.GraphModule, check: Check, inputs: tuple[Any,
 
 
 _WRITTEN = frozenset({"placeholder", "call_function", "output"})
+
+
+def _last_uses(nodes: list[torch.fx.Node]) -> dict[torch.fx.Node, int]:
+    """For each node another one uses, the position of its last user: where its value is freed."""
+    last_use: dict[torch.fx.Node, int] = {}
+    for i, node in enumerate(nodes):
+        for used in node.all_input_nodes:
+            last_use[used] = i
+    return last_use
 
 
 def _compiled(gm: torch.fx.GraphModule) -> Callable[..., Any] | None:
@@ -134,10 +140,7 @@ def _source(graph: torch.fx.Graph) -> tuple[str, dict[str, Any]] | None:
             raise _Unwritable  # a symbolic size, a named tuple: fx's own code
         return bind(value, "k")  # a dtype, a device, a float, a memory format: the graph's own object
 
-    last_use: dict[torch.fx.Node, int] = {}
-    for i, node in enumerate(nodes):
-        for used in node.all_input_nodes:
-            last_use[used] = i
+    last_use = _last_uses(nodes)
     placeholders = [node for node in nodes if node.op == "placeholder"]
     lines = [f"def forward({', '.join(names[p] for p in placeholders)}):"]
     try:
