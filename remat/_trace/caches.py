@@ -19,14 +19,11 @@ from __future__ import annotations
 
 import functools
 import gc
-import logging
 import sys
 import weakref
 from typing import Any, Iterable
 
 import torch
-
-logger = logging.getLogger("remat")
 
 _WRAPPER = functools._lru_cache_wrapper  # functools' own public decorators make these
 _FOUND: list[weakref.ref[Any]] = []

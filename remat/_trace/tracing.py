@@ -476,22 +476,13 @@ def _reads_storage_offsets(gm: torch.fx.GraphModule) -> bool:
 def _empty_caches_holding_stand_ins(fn_name: str, fn: Callable[..., Any], made: list[Any], inputs: list[torch.Tensor]) -> None:
     """Empty the lru caches the trace attempt filled with its stand-ins (`caches`), and
     warn once per region and cache."""
-    code = _code_of(fn)
     for name in empty_caches_holding(made, inputs):
-        key = (fn_name if code is None else code, name)
-        if key in _WARNED_CHANGES:
-            continue
-        _WARNED_CHANGES.add(key)
-        message = (
+        _warn_once(fn_name, fn, name, (
             f"remat: `{fn_name}` caches a tensor it computes in `{name}` (a functools.lru_cache) while traced, "
             "where that cache would hold a tracing stand-in, not a value; remat emptied the cache, so its next "
             f"call computes the value again. To keep its values, call `{name.rsplit('.', 1)[-1]}` outside the "
             "remat'd function and pass the result in."
-        )
-        if code is None:
-            warnings.warn(message, RematStateWarning, stacklevel=5)
-        else:
-            warnings.warn_explicit(message, RematStateWarning, code.co_filename, code.co_firstlineno)
+        ))
 
 
 def _refuse_stand_ins(fn_name: str, roots: list[tuple[str, Any]], out_static: list[Any], hook_calls: list[HookCall]) -> None:
@@ -528,21 +519,25 @@ _WARNED_CHANGES: set[tuple[Any, str]] = set()  # (the region's code, or name, an
 def _warn_changes(fn_name: str, fn: Callable[..., Any], changes: list[str]) -> None:
     """Warn, once per region and object, that the function changed an object it reaches
     while traced: the change happens once per trace, not once per call."""
-    code = _code_of(fn)
     for change in changes:
-        key = (fn_name if code is None else code, change)
-        if key in _WARNED_CHANGES:
-            continue
-        _WARNED_CHANGES.add(key)
-        message = (
+        _warn_once(fn_name, fn, change, (
             f"remat: `{fn_name}` changes {change} while traced. remat runs a function's Python when it "
             "traces it, not on every call, so this change happens once per trace. Keep such state outside "
             "the remat'd function, or return the new value."
-        )
-        if code is None:
-            warnings.warn(message, RematStateWarning, stacklevel=5)
-        else:
-            warnings.warn_explicit(message, RematStateWarning, code.co_filename, code.co_firstlineno)
+        ))
+
+
+def _warn_once(fn_name: str, fn: Callable[..., Any], what: str, message: str) -> None:
+    """A RematStateWarning about `what`, once per region, at the function's first line."""
+    code = _code_of(fn)
+    key = (fn_name if code is None else code, what)
+    if key in _WARNED_CHANGES:
+        return
+    _WARNED_CHANGES.add(key)
+    if code is None:
+        warnings.warn(message, RematStateWarning, stacklevel=6)
+    else:
+        warnings.warn_explicit(message, RematStateWarning, code.co_filename, code.co_firstlineno)
 
 
 def _code_of(fn: Callable[..., Any]) -> types.CodeType | None:
