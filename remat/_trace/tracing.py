@@ -473,7 +473,9 @@ def _reads_storage_offsets(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
-def _empty_caches_holding_stand_ins(fn_name: str, fn: Callable[..., Any], made: list[Any], inputs: list[torch.Tensor]) -> None:
+def _empty_caches_holding_stand_ins(
+    fn_name: str, fn: Callable[..., Any], made: list[Any], inputs: list[torch.Tensor]
+) -> None:
     """Empty the lru caches the trace attempt filled with its stand-ins (`caches`), and
     warn once per region and cache."""
     for name in empty_caches_holding(made, inputs):
