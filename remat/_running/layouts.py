@@ -6,7 +6,8 @@ where its meta function says bfloat16; any kernel may lay out its output otherwi
 its meta function says. The op itself is what eager code runs too, so its real value is right; what can
 go wrong is the rest of the graph, traced under the wrong belief (autocast inserts a cast
 only where it sees another dtype; `as_strided` reads memory order). So the first run of
-each graph of a plan goes node by node (`graph_code.run_checked_nodes`) and compares every value with what was traced:
+each graph of a plan goes node by node (`graph_code.run_checked_nodes`) and compares every
+value with what was traced:
 - an op whose inputs were as traced may differ (the meta function's mistake): accepted,
   and its value marked (CUDA's memory-efficient attention gives its dropout seed and offset
   on the CPU where its meta function says the GPU; its backward op takes them as they are);

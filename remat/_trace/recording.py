@@ -83,8 +83,8 @@ class _OpRecorder(TorchDispatchMode):
 
     @contextlib.contextmanager
     def reporting_ops(self, report: Callable[[list[torch.fx.Node | None], list[torch.Tensor]], None]) -> Iterator[None]:
-        """Within: `report` gets the nodes of each op's tensor outputs and the outputs, what a dispatch mode
-        entered above this one would see, without the cost of another mode on every op."""
+        """Within: `report` gets each op's tensor outputs and their nodes, what a dispatch
+        mode entered above this one would see, without the cost of another mode on every op."""
         previous, self.report = self.report, report
         try:
             yield
