@@ -842,6 +842,7 @@ def _sac_mode_classes() -> tuple[type, type] | None:
             _RECOMPUTE,
             _CachedTorchDispatchMode,
             _CachingTorchDispatchMode,
+            _detach_helper,
             _sac_storage_key,
         )
     except ImportError:
@@ -870,7 +871,9 @@ def _sac_mode_classes() -> tuple[type, type] | None:
 
     class RepeatableCache(_CachedTorchDispatchMode):  # type: ignore[misc, valid-type]
         """torch's cached mode without consuming entries, handing a kept value out only to
-        the call given what the forward's was."""
+        the call given what the forward's was. Each hand-out is a fresh alias without autograd
+        metadata: autograd gives the recompute's output its history (a view's, for a view op),
+        and the kept tensor itself must stay without one for the next recompute."""
 
         def __init__(self, storage: dict[Any, Any], calls: CallLabels) -> None:
             super().__init__(None, storage)
@@ -902,7 +905,7 @@ def _sac_mode_classes() -> tuple[type, type] | None:
             if entry is _RECOMPUTE:
                 out = func(*args, **kwargs)
             else:
-                out = tree_map(lambda x: x.get_val(self.allow_cache_entry_mutation), entry)
+                out = tree_map(lambda x: _detach_helper(x.get_val(self.allow_cache_entry_mutation)), entry)
             self.calls.record(func, args, kwargs, leaves, given, out, index)
             return out
 
