@@ -131,8 +131,8 @@ def check_every_graph(install: Callable[[Any, str, Any], None]) -> None:
 
     higher_order = _executing.Plan.higher_order
 
-    def checked_higher_order(self: Any) -> Any:
-        full, order, cotangents = higher_order(self)
+    def checked_higher_order(self: Any, *args: Any) -> Any:
+        full, order, cotangents = higher_order(self, *args)
         check(full.forward, full.backward)
         return full, order, cotangents
 

@@ -42,7 +42,7 @@ from .._plans.like_layers import like_key, like_plan, note_reads, offer, region_
 from .._plans.sharing import graph_signature, share_plan, shared_plan
 from .._plans.templates import Graphs, Templates
 from .._running.chaining import Chain, Runnable, split_at_outputs, why_unsplit
-from .._running.executing import Plan, eager_under_vmap
+from .._running.executing import Plan, as_returned, eager_under_vmap
 from .._running.replaying import replay, replay_note
 from .._trace.arguments import Call, CaptureMemo, positional_names, split_call
 from .._trace.attribute_reads import recording_reads
@@ -278,6 +278,8 @@ class Rematerialized(Generic[_P, _R]):
             return self.fn(*args, **kwargs)
         record(plan)
         results = plan.apply(inputs)
+        if stage_one.returned_as_is:
+            results = as_returned(results, inputs, stage_one.returned_as_is)
         if stage_one.mutated:
             self._apply_mutations(plan, inputs, results)
         if stage_one.hook_calls:
@@ -418,10 +420,10 @@ class Rematerialized(Generic[_P, _R]):
             return None
         halves = split_at_outputs(stage_one) if joint is None else None  # templates are never chains
         if halves is not None:
-            first, rest, first_positions, read_by_rest_first = halves
+            first, rest, first_positions, read_by_rest_first, n_shared = halves
             whole = whole | read_by_rest_first
             parts = [self._plan(half, updated, whole=whole) for half in (first, rest)]
-            return Chain(stage_one, *parts, first_positions)  # type: ignore[arg-type]
+            return Chain(stage_one, *parts, first_positions, n_shared)  # type: ignore[arg-type]
         unsplit = why_unsplit(stage_one) if joint is None and not transforms_active() else None
         if unsplit is not None:
             raise RematTraceError(

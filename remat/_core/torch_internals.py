@@ -1001,3 +1001,35 @@ def selective_checkpoint_compile_notice_off() -> Iterator[None]:
         yield
     finally:
         log.removeFilter(notice)
+
+
+class _HookTable(collections.OrderedDict):  # type: ignore[type-arg]
+    """A tensor's table of `register_hook` hooks whose hooks run only with a gradient: torch
+    calls the hooks of one output of a node with several outputs with None when backward
+    reaches the node through the others, where eager code's separate nodes would not run."""
+
+    def __setitem__(self, key: Any, hook: Any) -> None:
+        super().__setitem__(key, functools.partial(_with_gradient_only, hook))
+
+
+def _with_gradient_only(hook: Callable[[torch.Tensor], Any], grad: torch.Tensor | None) -> Any:
+    return None if grad is None else hook(grad)
+
+
+def watch_tensor_hooks(t: torch.Tensor) -> dict[int, Any] | None:
+    """The table `t.register_hook` adds `t`'s hooks to, made now (before any hook) so that a
+    holder of the table sees them after `t` itself is gone, and so that they run only with
+    a gradient (`_HookTable`); None if `t` has no autograd node or a table already. torch's
+    `register_hook` makes the table itself when there is none and registers it on
+    `t.grad_fn` (torch 2.13, _tensor.py register_hook; python_hook.cpp calls its values)."""
+    if t._backward_hooks is not None or t.grad_fn is None:
+        return None
+    table = _HookTable()
+    t._backward_hooks = table
+    t.grad_fn._register_hook_dict(t)
+    return table
+
+
+def has_tensor_hooks(t: torch.Tensor) -> bool:
+    """Whether `t` carries hooks of `register_hook` (torch 2.13: its `_backward_hooks` table)."""
+    return bool(t._backward_hooks)

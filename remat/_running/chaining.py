@@ -6,7 +6,10 @@ fails, where plain autograd (and torch.utils.checkpoint) allow it. So such a reg
 split at those outputs: the first part computes them, the rest reads them as inputs.
 Gradients are unchanged (the rest sends its gradient for `y` into the first part's
 backward); the rest keeps `y` when its backward needs it, as plain autograd does. An
-intermediate both parts read is computed by each (values are deterministic, so equal).
+intermediate both parts read is computed by the first and handed to the rest like `y`:
+its gradients from both parts then meet before one backward of the op that made it, as
+in eager code (computed by each part, its inputs would get two backwards' results added,
+which rounds otherwise).
 A random op both parts would need, random ops whose draws the split would reorder, or
 a function that reseeds a generator leave the region whole (then `grad(z, y)` fails as before, see the README).
 """
@@ -19,7 +22,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from .._core.nodes import ancestors, is_random
+from .._core.nodes import ancestors, is_random, is_tuple
 from .._core.torch_internals import graph_module
 from .._trace.randomness import steps_of
 from .._trace.records import StageOne
@@ -43,23 +46,27 @@ class Chain:
     first: Runnable
     rest: Runnable
     first_positions: list[list[int]]  # for each of first's outputs, where it goes among the region's outputs
+    n_shared: int = 0  # then first's outputs the rest reads, not the region's (intermediates both parts read)
 
     def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The region's outputs, then the new values of its mutated inputs."""
-        first = list(self.first.apply(inputs)[: len(self.first_positions)])
+        handed = list(self.first.apply(inputs)[: len(self.first_positions) + self.n_shared])
+        first = handed[: len(self.first_positions)]
         placed = {j: value for value, positions in zip(first, self.first_positions) for j in positions}
-        rest = iter(self.rest.apply([*inputs, *first])[: self.stage_one.n_outputs - len(placed) + len(self.stage_one.mutated)])
+        n_rest = self.stage_one.n_outputs - len(placed) + len(self.stage_one.mutated)
+        rest = iter(self.rest.apply([*inputs, *handed])[:n_rest])
         return tuple(placed[j] if j in placed else next(rest) for j in range(self.stage_one.n_outputs)) + tuple(rest)
 
     def plans(self) -> list[Any]:
         return self.first.plans() + self.rest.plans()
 
 
-def split_at_outputs(stage_one: StageOne) -> tuple[StageOne, StageOne, list[list[int]], set[int]] | None:
+def split_at_outputs(stage_one: StageOne) -> tuple[StageOne, StageOne, list[list[int]], set[int], int] | None:
     """(first, rest, where each of first's outputs goes, inputs read in an order the two
-    parts break) when other outputs are computed from some differentiable outputs, else
-    None. first computes each such value once, as many places as it is returned at (an
-    output returned twice, or also given to a hook).
+    parts break, how many intermediates first hands to rest after those outputs) when
+    other outputs are computed from some differentiable outputs, else None. first computes
+    each such value once, as many places as it is returned at (an output returned twice,
+    or also given to a hook).
 
     The last: inputs that rest reads before first does. Autograd runs rest's backward
     first, so rest's gradients for an input reach it first; eager's reach it in the
@@ -77,16 +84,21 @@ def split_at_outputs(stage_one: StageOne) -> tuple[StageOne, StageOne, list[list
     placements = [[j for j in first_positions if outs[j] is node] for node in cut_nodes]
 
     first_nodes, rest_nodes = _parts(stage_one, cuts)
-    first_gm = _subgraph(stage_one.graph, first_nodes, cut_nodes, [])
-    rest_gm = _subgraph(stage_one.graph, rest_nodes, [outs[j] for j in rest_positions], cut_nodes)
+    shared = _shared(graph, first_nodes, rest_nodes, set(cut_nodes), [outs[j] for j in rest_positions])
+    rest_nodes = ancestors([outs[j] for j in rest_positions], stop=set(cut_nodes) | set(shared))
+    handed = cut_nodes + shared
+    first_gm = _subgraph(stage_one.graph, first_nodes, handed, [])
+    rest_gm = _subgraph(stage_one.graph, rest_nodes, [outs[j] for j in rest_positions], handed)
+    floating = [_is_floating(node) for node in shared]
     # Every draw continues the stream (else the region stays whole), so each part's do too.
     first = dataclasses.replace(
         stage_one,
         rng_end=None,
         graph=first_gm,
-        n_outputs=len(cut_nodes),
+        n_outputs=len(handed),
+        n_handed=len(shared),
         mutated=[],
-        output_differentiable=[True] * len(cut_nodes),
+        output_differentiable=[True] * len(cut_nodes) + floating,
         n_hook_outputs=0,  # the region calls its hooks, from its own outputs
         hook_calls=[],
         hooks=None,
@@ -100,11 +112,36 @@ def split_at_outputs(stage_one: StageOne) -> tuple[StageOne, StageOne, list[list
         hook_calls=[],
         hooks=None,
         output_differentiable=[stage_one.output_differentiable[j] for j in rest_positions[: len(rest_positions) - n_mutated]],
-        input_values=[*stage_one.input_values, *(node.meta["val"] for node in cut_nodes)],
-        input_needs_grad=[*stage_one.input_needs_grad, *(True for _ in cut_nodes)],
-        input_paths=[*stage_one.input_paths, *(f"output {outs.index(node)} of the region" for node in cut_nodes)],
+        input_values=[*stage_one.input_values, *(node.meta["val"] for node in handed)],
+        input_needs_grad=[*stage_one.input_needs_grad, *(True for _ in cut_nodes), *floating],
+        input_paths=[
+            *stage_one.input_paths,
+            *(f"output {outs.index(node)} of the region" for node in cut_nodes),
+            *(f"`{node.name}`, which both parts of the region read" for node in shared),
+        ],
     )
-    return first, rest, placements, _read_by_rest_first(graph, first_nodes, rest_nodes)
+    return first, rest, placements, _read_by_rest_first(graph, first_nodes, rest_nodes), len(shared)
+
+
+def _shared(
+    graph: torch.fx.Graph,
+    first: set[torch.fx.Node],
+    rest: set[torch.fx.Node],
+    cuts: set[torch.fx.Node],
+    rest_outputs: list[Any],
+) -> list[torch.fx.Node]:
+    """The values besides the `cuts` that first computes and rest reads too (the nearest to
+    rest of those both compute, in graph order); none when one of them is a tuple (a
+    multi-output op's result, which is not a tensor: then both parts compute what both read)."""
+    both = {n for n in first & rest if n.op == "call_function" and n not in cuts}
+    only_rest = rest - first
+    found = [n for n in graph.nodes if n in both and (n in rest_outputs or any(u in only_rest for u in n.users))]
+    return [] if any(is_tuple(n) for n in found) else found
+
+
+def _is_floating(node: torch.fx.Node) -> bool:
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
 def _cuts(stage_one: StageOne) -> set[torch.fx.Node]:
@@ -115,7 +152,8 @@ def _cuts(stage_one: StageOne) -> set[torch.fx.Node]:
     live = ancestors(outs, stop=set())  # what the outputs are computed from (not a dead detach)
     return {
         outs[j]
-        for j in range(stage_one.n_outputs - stage_one.n_hook_outputs)  # what hooks are given does not split
+        # what hooks are given, and what a first part hands the rest, does not split
+        for j in range(stage_one.n_outputs - stage_one.n_hook_outputs - stage_one.n_handed)
         if isinstance(outs[j], torch.fx.Node)
         and outs[j].op != "placeholder"
         and stage_one.output_differentiable[j]

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import inspect
 import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -29,9 +30,11 @@ from .._core.torch_internals import (
     batched_within,
     dispatch_modes_off,
     has_batched_level,
+    has_tensor_hooks,
     innermost_vmap,
     transforms_active,
     vmap_randomness_different,
+    watch_tensor_hooks,
 )
 from .._partition.partitioning import Partition, partition
 from .._trace.passes import without_absent_cotangents
@@ -54,7 +57,10 @@ class Plan:
     diff_inputs: list[int]  # inputs that get gradients
     float_outputs: list[int]  # outputs that receive cotangents
     region: str
-    _higher_order: tuple[Partition, list[int], list[int]] | None = field(default=None, repr=False)
+    # higher-order backwards, by which outputs they read as the caller's own tensors (see `higher_order`)
+    _higher_orders: dict[frozenset[int], tuple[Partition, list[int], list[int]]] = field(
+        default_factory=dict, repr=False
+    )
     # graphs (by id) whose layouts were checked on a first run, each with what runs it next
     _checked: dict[int, Callable[..., Any]] = field(default_factory=dict, repr=False)
     extra_inputs: list[int] = field(default_factory=list)  # inputs kept only for second-order gradients
@@ -97,7 +103,7 @@ class Plan:
         """This plan for another region whose stage-1 graph is the same (`_plans/sharing`): the
         partitioned graphs are shared, names and captured tensors are the other region's."""
         return dataclasses.replace(
-            self, stage_one=stage_one, region=region, _higher_order=None, extra_inputs=list(self.extra_inputs)
+            self, stage_one=stage_one, region=region, _higher_orders={}, extra_inputs=list(self.extra_inputs)
         )  # the set of graphs whose layouts were checked is shared: the same graphs, inputs laid out alike
 
     def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -110,7 +116,12 @@ class Plan:
                 inputs[i] = inputs[i].detach()
         if self.more_uses:  # the Function takes such an input once per use: autograd adds each use's gradient
             inputs = [*inputs, *(inputs[i] for i in self.more_uses)]
-        return apply_function(RematFunction, self, inputs)  # type: ignore[no-any-return]
+        outputs: tuple[torch.Tensor, ...] = apply_function(RematFunction, self, inputs)
+        if self.float_outputs and not self.builds_graph:  # outside torch.func: see `outputs_to_read`
+            node: Any = outputs[self.float_outputs[0]].grad_fn
+            if type(node) is RematFunction._backward_cls:  # type: ignore[attr-defined]  # the Function's ctx
+                node.hooks = [watch_tensor_hooks(outputs[j]) for j in self.float_outputs]
+        return outputs
 
     @functools.cached_property
     def unreached_inputs(self) -> list[int]:
@@ -196,8 +207,12 @@ class Plan:
 
     @functools.cached_property
     def _second_order(self) -> tuple[Partition, list[int], list[int]]:
+        return self._second_order_reading(frozenset())
+
+    def _second_order_reading(self, outputs: frozenset[int]) -> tuple[Partition, list[int], list[int]]:
         """The joint of the pure forward with cotangents for its kept values too, split
-        keeping exactly what the first-order forward keeps; its cotangent outputs and the
+        keeping exactly what the first-order forward keeps, and the values of `outputs`
+        (read as the caller's tensors, see `higher_order`); its cotangent outputs and the
         first-order residual positions."""
         values = self.output_values
         cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
@@ -206,7 +221,7 @@ class Plan:
         joint = vjp_of_graph(self.part.forward_pure, self.stage_one.input_values, self.diff_inputs, cotangent_outputs)
         outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][:n_values]
         residuals = self.part.residual_outputs[: len(self.part.residual_outputs) - n_states]
-        chosen = {outs[j] for j in residuals}
+        chosen = {outs[j] for j in [*residuals, *outputs]}
         full = partition(joint, len(self.stage_one.input_values), n_values, chosen.__contains__, exact=True)
         return full, cotangent_outputs, residuals
 
@@ -230,15 +245,20 @@ class Plan:
     def n_first_order_kept(self) -> int:
         return len(self.part.saved_inputs) + len(self.part.residual_outputs)
 
-    def higher_order(self) -> tuple[Partition, list[int], list[int]]:
-        """A backward that also takes cotangents for the kept values, and where each of its
-        kept inputs sits among the Function's saved tensors (built once, lazily)."""
-        with TRACE_LOCK, dispatch_modes_off():  # traces (make_fx keeps process-wide state): one at a time in the process
-            if self._higher_order is None:
-                self._higher_order = self._build_higher_order()
-        return self._higher_order
+    def higher_order(self, reading: frozenset[int] = frozenset()) -> tuple[Partition, list[int], list[int]]:
+        """A backward that also takes cotangents for the kept values; where each of its kept
+        inputs sits among the Function's saved tensors followed by the outputs in `reading`
+        (in order); its cotangent outputs (built once per `reading`, lazily).
 
-    def _build_higher_order(self) -> tuple[Partition, list[int], list[int]]:
+        `reading`: outputs whose values the backward reads as the caller's own tensors, not
+        recomputed, as eager autograd reads an op's saved output (see `outputs_to_read`)."""
+        with TRACE_LOCK, dispatch_modes_off():  # traces (make_fx keeps process-wide state): one at a time in the process
+            built = self._higher_orders.get(reading)
+            if built is None:
+                built = self._higher_orders[reading] = self._build_higher_order(reading)
+        return built
+
+    def _build_higher_order(self, reading: frozenset[int]) -> tuple[Partition, list[int], list[int]]:
         if self.stage_one.units:
             names = ", ".join(f"`{unit.function.__qualname__}`" for unit in self.stage_one.units.values())
             raise RematError(
@@ -247,11 +267,11 @@ class Plan:
                 "Function, so the second gradient would be wrong. Take the inner gradient outside the remat'd "
                 "function, or apply remat to code without the Function."
             )
-        full, cotangent_outputs, residuals = self._second_order
+        full, cotangent_outputs, residuals = self._second_order_reading(reading)
         full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
         kept_inputs = self.part.saved_inputs + self.extra_inputs
         missing = [self.stage_one.input_paths[i] for i in full.saved_inputs if i not in kept_inputs]
-        inner = [f"output {j}" for j in full_residuals if j not in residuals]
+        inner = [f"output {j}" for j in full_residuals if j not in residuals and j not in reading]
         inner += [f"random op {k}" for k in full.replayed if k not in self.part.replayed]
         if missing or inner:
             raise RematError(
@@ -267,7 +287,9 @@ class Plan:
             for i in full.saved_inputs
         ]
         offset = len(self.part.saved_inputs)
-        order += [offset + residuals.index(j) for j in full_residuals]
+        read_at = self.n_first_order_kept + len(self.extra_inputs)  # the outputs read come after every saved tensor
+        read = sorted(reading)
+        order += [offset + residuals.index(j) if j in residuals else read_at + read.index(j) for j in full_residuals]
         order += [offset + len(residuals) + self.part.replayed.index(k) for k in full.replayed]
         return full, order, cotangent_outputs
 
@@ -301,6 +323,18 @@ def eager_under_vmap(stage_one: StageOne, inputs: Sequence[torch.Tensor]) -> boo
     if all(batched) or not any(needs and not b for needs, b in zip(stage_one.input_needs_grad, batched)):
         return False
     return _output_of_unbatched_inputs(stage_one.graph, tuple(stage_one.output_differentiable), batched, randomness)
+
+
+def as_returned(
+    results: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], as_is: Sequence[tuple[int, bool, int]]
+) -> list[torch.Tensor]:
+    """The region's results with the outputs eager code returns as the objects it has
+    (`StageOne.returned_as_is`) being those objects: the input itself, or the value
+    returned earlier. The Function's own outputs there get no gradient, so none is lost."""
+    results = list(results)
+    for j, from_input, k in as_is:
+        results[j] = inputs[k] if from_input else results[k]
+    return results
 
 
 def _writes_batched_into_unbatched(writes: Sequence[InPlaceWrite], inputs: Sequence[torch.Tensor]) -> bool:
@@ -381,6 +415,8 @@ class RematFunction(torch.autograd.Function):
         if plan.nondifferentiable_outputs:
             ctx.mark_non_differentiable(*[output[j] for j in plan.nondifferentiable_outputs])
         ctx.set_materialize_grads(False)
+        if not plan.builds_graph:  # weakly: what a backward that builds a graph reads of them (`outputs_to_read`)
+            ctx.outputs = [(j, weakref.ref(output[j]), output[j]._version) for j in plan.float_outputs]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -389,6 +425,8 @@ class RematFunction(torch.autograd.Function):
         second_order = len(grads) > plan.n_outputs and any(g is not None for g in grads[plan.n_outputs:])
         # a backward that builds a graph (create_graph=True) runs the derivatives eager code then runs
         builds_graph = torch.is_grad_enabled() and not plan.builds_graph and not plan.part.offloaded
+        # outside torch.func (whose levels hold other tensors), what is read of the caller's outputs
+        readable = outputs_to_read(ctx) if (builds_graph or second_order) and not plan.builds_graph else {}
         if second_order or builds_graph:
             if plan.part.offloaded:
                 raise RematError(
@@ -397,9 +435,10 @@ class RematFunction(torch.autograd.Function):
                     "support. Nest torch.func transforms instead (remat then keeps those values where they "
                     "are), or use a policy that keeps or recomputes them."
                 )
-            full, order, cotangent_outputs = plan.higher_order()
+            full, order, cotangent_outputs = plan.higher_order(frozenset(readable))
+            sources = (*kept, *_read_outputs(plan, readable, order, len(kept))) if readable else kept
             backward, cotangents = plan.backward_for(full.backward, grads, cotangent_outputs, kept)
-            input_grads = plan.run(backward, *[kept[k] for k in order], *cotangents)
+            input_grads = plan.run(backward, *[sources[k] for k in order], *cotangents)
             positions = plan.diff_inputs  # one gradient per input, all of it for the first use
         else:
             backward, tangents = plan.backward_for(plan.part.backward, grads, plan.float_outputs, kept)
@@ -412,6 +451,53 @@ class RematFunction(torch.autograd.Function):
         for i, g in zip(positions, input_grads):
             result[i + 1] = g
         return tuple(result)
+
+
+def outputs_to_read(ctx: Any) -> dict[int, tuple[torch.Tensor | None, str | None]]:
+    """The region's outputs a backward that builds a graph reads as the caller's tensors, by
+    position: those still alive and unchanged; with why it cannot, those it must read but
+    cannot (hooked, and changed in place since or no longer held by anyone).
+
+    In eager code the derivative of an op that saves its output (tanh, exp, softmax) reads
+    that very tensor, so a gradient of the gradient passes the output: its tensor hooks and
+    `retain_grad` run, and what reaches it is added up there in eager order. Read the same
+    way, remat's is too. Hooks are seen in the table `Plan.apply` gave each output, which
+    outlives the output; an output without hooks that is gone or changed is recomputed."""
+    readable: dict[int, tuple[torch.Tensor | None, str | None]] = {}
+    hooks = getattr(ctx, "hooks", None) or [None] * len(ctx.outputs)
+    for (j, ref, version), table in zip(ctx.outputs, hooks, strict=True):
+        tensor = ref()
+        hooked = bool(table) or (tensor is not None and (has_tensor_hooks(tensor) or tensor.retains_grad))
+        if tensor is None:
+            if hooked:
+                readable[j] = (None, "no longer held by anything")
+        elif tensor._version == version:
+            readable[j] = (tensor, None)
+        elif hooked:
+            readable[j] = (tensor, "modified in place since the region ran")
+    return readable
+
+
+def _read_outputs(
+    plan: Plan, readable: dict[int, tuple[torch.Tensor | None, str | None]], order: Sequence[int], n_kept: int
+) -> list[torch.Tensor | None]:
+    """The outputs a higher-order backward reads after the `n_kept` saved tensors, in order;
+    one it reads but cannot have raises, naming why."""
+    reading = sorted(readable)
+    for k in order:
+        if k < n_kept:
+            continue
+        j = reading[k - n_kept]
+        why = readable[j][1]
+        if why is not None:
+            raise RematError(
+                f"remat({plan.region}): output {j} carries a tensor hook (or retain_grad), and this backward builds "
+                "a graph (create_graph=True) whose derivative reads the output itself, as eager autograd's does "
+                f"(its op saved it), so that a gradient of this gradient passes the hook. The output is {why}, "
+                "so remat cannot read it. Keep a reference to the output, unchanged, until the backward (modify a "
+                "clone of it instead), or put the hook on a tensor computed from it."
+            )
+    return [readable[j][0] for j in reading]
 
 
 def _cache_forward_signature() -> None:

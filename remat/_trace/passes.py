@@ -26,6 +26,7 @@ from .._core.nodes import (
     GRAD_OFF_KEY,
     NO_DEFAULT,
     USER_DETACH_KEY,
+    ancestors,
     comes_after,
     is_tuple,
     is_view,
@@ -89,7 +90,12 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
     numbers on other elements when `x` is not contiguous. So draw into a contiguous tensor
     laid out as the fresh one is in memory, and permute it to the logical order: the same
     values as eager, a graph without the in-place fill, and under vmap a draw batched as
-    the random mode says (a batched `empty_like` filled out of place is refused for `same`)."""
+    the random mode says (a batched `empty_like` filled out of place is refused for `same`).
+
+    Eager autograd keeps a filled value that carries a gradient on the graph, with a zero
+    derivative: its inputs get zero gradients, not None, and a gradient of a gradient reaches
+    them through it too. The draw then stands behind `where(True, draw, filled)`, which
+    differentiates so and rounds nothing (computing `filled` as eager code does)."""
     graph = gm.graph
     for node in list(graph.nodes):
         functional = _RANDOM_FILLS.get(node.target)  # type: ignore[call-overload]
@@ -102,6 +108,7 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
         order = sorted(range(val.dim()), key=lambda d: (-val.stride(d), -val.shape[d]))  # outermost first
         physical = [val.shape[d] for d in order]
         inverse = sorted(range(val.dim()), key=order.__getitem__)
+        later = [u for u in filled.users if u is not node and comes_after(graph, u, node)]
         with graph.inserting_before(node):
             fresh = graph.call_function(
                 _aten.empty.memory_format,
@@ -114,13 +121,45 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
         drawn.meta = {**node.meta, "val": fresh.meta["val"]}
         drawn.meta["custom"] = {**drawn.meta.get("custom", {}), FILL_LIKE_KEY: True}  # see _running/executing.eager_under_vmap
         logical.meta = {**node.meta, "val": fresh.meta["val"].permute(inverse)}
-        node.replace_all_uses_with(logical)
-        for user in [u for u in filled.users if u is not node and comes_after(graph, u, node)]:
-            user.replace_input_with(filled, logical)
+        result = _with_zero_derivative_into(graph, logical, filled) if _may_carry_gradient(filled, node) else logical
+        node.replace_all_uses_with(result)
+        for user in later:
+            user.replace_input_with(filled, result)
         graph.erase_node(node)
         if not filled.users:
             graph.erase_node(filled)
     graph.lint()
+
+
+# ops whose result autograd never tracks, which a random fill of a fresh tensor fills
+_FACTORIES = frozenset({
+    _aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty, _aten.new_empty_strided, _aten.zeros,
+    _aten.zeros_like, _aten.new_zeros, _aten.ones, _aten.ones_like, _aten.new_ones, _aten.full, _aten.full_like,
+    _aten.new_full,
+})
+
+
+def _may_carry_gradient(filled: torch.fx.Node, fill: torch.fx.Node) -> bool:
+    """Whether eager autograd may track `filled` through its fill: a floating value the
+    function computed from its inputs (not a factory's), filled with grad enabled."""
+    value = filled.meta["val"]
+    if not (value.is_floating_point() or value.is_complex()) or fill.meta.get("custom", {}).get(GRAD_OFF_KEY):
+        return False
+    if getattr(filled.target, "overloadpacket", None) in _FACTORIES:
+        return False
+    return any(n.op == "placeholder" for n in ancestors([filled], set()))
+
+
+def _with_zero_derivative_into(graph: torch.fx.Graph, value: torch.fx.Node, filled: torch.fx.Node) -> torch.fx.Node:
+    """`where(True, value, filled)`, right after `value`: `value`, and a zero gradient for `filled`."""
+    with graph.inserting_after(value):
+        device = value.meta["val"].device
+        true = graph.call_function(_aten.full.default, ([], True), {"dtype": torch.bool, "device": device})
+    with graph.inserting_after(true):
+        edge = graph.call_function(_aten.where.self, (true, value, filled))
+    true.meta = {**value.meta, "val": value.meta["val"].new_full((), True, dtype=torch.bool)}
+    edge.meta = {**value.meta, "val": torch.where(true.meta["val"], value.meta["val"], filled.meta["val"])}
+    return edge
 
 
 def autocast_casts_of_leaves_cached(gm: torch.fx.GraphModule, leaves: Sequence[bool]) -> None:

@@ -3,6 +3,7 @@ recorded of one function (`StageOne`)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -59,12 +60,32 @@ class StageOne:
     # each generator's stream when the function returns; None: every draw continues the stream
     rng_end: dict[str, Source] | None = field(default_factory=dict)
     n_hook_outputs: int = 0  # the last of the n_outputs: what module hooks are given (`hooks`)
+    n_handed: int = 0  # before those: intermediates a chained region's first part hands the rest
     hook_calls: list[HookCall] = field(default_factory=list)
     hooks: HookSet | None = None  # the hooks of the modules the trace called
     changes_state: bool = False  # the trace changed an object the function reaches (warned)
     fills_like: bool = False  # a random fill of a tensor made like another (see _running/executing.eager_under_vmap)
     units: dict[int, Any] = field(default_factory=dict)  # custom autograd.Functions traced as units (`_trace/functions`)
     in_place_writes: tuple[InPlaceWrite, ...] = ()  # before functionalization (see _running/executing.eager_under_vmap)
+
+    @functools.cached_property
+    def returned_as_is(self) -> list[tuple[int, bool, int]]:
+        """The outputs eager code returns as the very objects it has: (position, True, graph
+        input) for an input returned unchanged, (position, False, earlier position) for a
+        value returned again. A hook or `retain_grad` on such an object sees every gradient
+        that reaches it, as in eager code, not the share that came through one output."""
+        outs = list(next(n for n in self.graph.graph.nodes if n.op == "output").args[0])[: self.n_outputs]
+        placeholders = {n: i for i, n in enumerate(n for n in self.graph.graph.nodes if n.op == "placeholder")}
+        first: dict[Any, int] = {}
+        as_is: list[tuple[int, bool, int]] = []
+        for j, out in enumerate(outs):
+            if out in placeholders:
+                as_is.append((j, True, placeholders[out]))
+            elif out in first:
+                as_is.append((j, False, first[out]))
+            else:
+                first[out] = j
+        return as_is
 
     def graph_inputs(self, call: Call) -> list[torch.Tensor]:
         """The call's tensors in this graph's input order: its arguments, the captured tensors

@@ -333,6 +333,37 @@ def test_an_input_read_by_both_parts_of_a_chained_region_gets_eager_s_gradient(
         _bitwise(run(remat.remat(fn, policy=policy)), expected)
 
 
+def _chain_sharing_an_intermediate(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An output (`v`) that feeds another, and an intermediate (`h`) both parts read."""
+    h = x @ w
+    v = h * 0.6
+    return torch.softmax(h @ v.t() / 2, -1) @ v, v
+
+
+@pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_an_intermediate_both_parts_of_a_chained_region_read_gets_eager_s_gradient(
+    dtype: torch.dtype, transform: str
+) -> None:
+    """Eager sums the gradients of an intermediate both parts read before one backward of
+    the op that made it; computed by each part, `x` and `w` would get two products added,
+    rounded otherwise (found by the random-program tester, seed 94188)."""
+    torch.manual_seed(2)
+    xs, ws = torch.randn(2, 3, 4, dtype=dtype), torch.randn(2, 4, 4, dtype=dtype) * 0.5
+    cotangent, other = torch.randn(3, 4, dtype=dtype), torch.randn(3, 4, dtype=dtype)
+
+    def run(region: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            out, v = region(x, w)
+            return (out * cotangent).sum() + (v * other).sum()
+
+        return _gradients(loss, transform, (xs, ws))
+
+    expected = run(_chain_sharing_an_intermediate)
+    for policy in POLICIES.values():
+        _bitwise(run(remat.remat(_chain_sharing_an_intermediate, policy=policy)), expected)
+
+
 @pytest.mark.models
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen3_moe"])
 def test_transformers_models_with_bf16_parameters_are_bitwise(name: str) -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.testing._internal.common_utils import freeze_rng_state
 
 import remat as remat_package
-from remat import RematTraceError, remat
+from remat import RematError, RematTraceError, remat
 from remat import policies as P
 
 from conftest import assert_close, pairwise_in_default
@@ -262,29 +262,154 @@ def test_a_tensor_hook_inside_a_region_is_refused_naming_the_line(fn: Fn) -> Non
         torch.func.grad(remat(fn))(x.detach())
 
 
-@pytest.mark.parametrize("policy_name", ["nothing_saveable", "everything_saveable"])
-def test_a_hook_on_a_region_s_output_in_a_gradient_of_a_gradient(policy_name: str) -> None:
-    """Gradients equal eager code's; the hook runs once per backward that reaches the output,
-    and a second time in the gradient of a gradient only where the policy keeps the output
-    that `tanh`'s derivative reads (eager code always reads it there): the documented difference."""
-    policy = getattr(P, policy_name)
+def _tanh_then_sin(x: torch.Tensor, p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two outputs: tanh's derivative reads its output, sin's reads its input."""
+    h = torch.tanh(x @ p["w"])
+    return h, (h + p["b"]).sin()
 
-    def run(f: Fn) -> tuple[int, int, torch.Tensor]:
+
+def _softmax_of_matmul(x: torch.Tensor, p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x @ p["w"]
+    return torch.softmax(h, -1), h.exp()
+
+
+# Neither expects None: a hook on one of a region's outputs does not run when backward
+# reaches the region through its other outputs only, as eager code's separate nodes do not.
+OUTPUT_HOOKS = {
+    "counts": lambda calls: lambda g: calls.append(g.detach().clone()),
+    "doubles": lambda calls: lambda g: g * 2,
+}
+
+
+@pytest.mark.parametrize("hooked", ["first", "second", "both", "retain_grad"])
+@pytest.mark.parametrize("hook", list(OUTPUT_HOOKS))
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+@pytest.mark.parametrize("fn", [_tanh_then_sin, _softmax_of_matmul], ids=lambda f: f.__name__)
+def test_a_hook_on_a_region_s_output_in_a_gradient_of_a_gradient(
+    fn: Any, policy_name: str, hook: str, hooked: str
+) -> None:
+    """A tensor hook (or retain_grad) the caller puts on a region's output runs in a gradient
+    of a gradient as in eager code: where the output's own op saved the output for its
+    derivative (tanh, softmax, exp), the second backward passes the output, so its hook runs
+    again, and a hook that changes the gradient changes the second gradient."""
+
+    def run(f: Any) -> tuple[list[list[torch.Tensor]], Any]:
+        x, p = _params()
+        x.requires_grad_()
+        t = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1))
+        a, b = f(x * 2, p)
+        targets = {"first": [a], "second": [b], "both": [a, b], "retain_grad": [a, b]}[hooked]
+        calls: list[list[torch.Tensor]] = [[] for _ in targets]
+        for out, seen in zip(targets, calls, strict=True):
+            if hooked == "retain_grad":
+                out.retain_grad()
+            else:
+                out.register_hook(OUTPUT_HOOKS[hook](seen))
+        (g,) = torch.autograd.grad((a * a.detach()).sum() + (b * b.detach()).sum(), [x], create_graph=True)
+        (g * t).sum().backward()
+        return calls, (g.detach(), x.grad, *[out.grad for out in targets if hooked == "retain_grad"])
+
+    eager_calls, eager = run(fn)
+    calls, got = run(remat(fn, policy=CHANNEL_POLICIES[policy_name]))
+    assert_close(got, eager, rtol=0, atol=0)
+    assert_close(calls, eager_calls, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+def test_a_hook_on_an_output_backward_does_not_reach_does_not_run(policy_name: str) -> None:
+    """Backward through one output of a region runs the region's node; a hook on another
+    output does not run then (torch would call it with None), as in eager code."""
+
+    def run(f: Any) -> Any:
+        x, p = _params()
+        x.requires_grad_()
+        a, b = f(x, p)
         calls: list[torch.Tensor] = []
-        x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(0)).requires_grad_()
-        out = f(x * 2)
-        out.register_hook(lambda g: calls.append(g))
-        (g,) = torch.autograd.grad(out.sum(), [x], create_graph=True)
-        first = len(calls)
-        g.sum().backward()
-        assert x.grad is not None
-        return first, len(calls), x.grad
+        b.register_hook(lambda g: calls.append(g * 2))
+        a.pow(2).sum().backward()
+        return calls, x.grad
 
-    eager_first, eager_both, eager_grad = run(torch.tanh)
-    first, both, grad = run(remat(torch.tanh, policy=policy))
-    torch.testing.assert_close(grad, eager_grad, rtol=0, atol=0)
-    assert (eager_first, eager_both) == (1, 2)
-    assert (first, both) == (1, 2 if policy_name == "everything_saveable" else 1)
+    assert_close(run(remat(_tanh_then_sin, policy=CHANNEL_POLICIES[policy_name])), run(_tanh_then_sin), rtol=0, atol=0)
+
+
+def _returns_its_input(x: torch.Tensor, p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    return x, (x @ p["w"]).exp()
+
+
+def _returns_a_value_twice(x: torch.Tensor, p: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    h = torch.tanh(x @ p["w"])
+    return h, h, h.sin()
+
+
+@pytest.mark.parametrize("order", ["first", "second"])
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+@pytest.mark.parametrize("fn", [_returns_its_input, _returns_a_value_twice], ids=lambda f: f.__name__)
+def test_an_output_returned_as_is_is_eager_s_object_and_its_hooks_see_every_gradient(
+    fn: Any, policy_name: str, order: str
+) -> None:
+    """An input returned unchanged is that input, a value returned twice one object: a hook
+    on it changes every gradient that reaches it, as in eager code (not only the share of
+    the one output it was put on)."""
+
+    def run(f: Any) -> Any:
+        x, p = _params()
+        x.requires_grad_()
+        u = x * 1
+        outs = f(u, p)
+        identities = (outs[0] is u, outs[0] is outs[1])
+        for out in outs:
+            out.register_hook(lambda g: g * 3)
+        loss = sum((out * out.detach().cos()).sum() for out in outs) + (u * 2).sum()
+        if order == "first":
+            loss.backward()
+            return identities, x.grad
+        (g,) = torch.autograd.grad(loss, [x], create_graph=True)
+        (g * g).sum().backward()
+        return identities, g.detach(), x.grad
+
+    expected = run(fn)
+    assert_close(run(remat(fn, policy=CHANNEL_POLICIES[policy_name])), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("watch", ["hook", "retain_grad"])
+def test_a_hooked_output_changed_in_place_before_a_gradient_of_a_gradient_raises_as_torch_does(watch: str) -> None:
+    def run(f: Any) -> None:
+        x = torch.randn(3, dtype=D, requires_grad=True)
+        out = f(x * 2)
+        if watch == "hook":
+            out.register_hook(lambda g: g * 2)
+        else:
+            out.retain_grad()
+        out.mul_(3)
+        (g,) = torch.autograd.grad(out.sum(), [x], create_graph=True)
+        g.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(torch.tanh)
+    with pytest.raises(RematError, match=r"output 0 carries a tensor hook .*modified in place since.*clone"):
+        run(remat(torch.tanh))
+
+
+def test_a_hooked_output_nothing_holds_before_a_gradient_of_a_gradient_is_refused_naming_the_fix() -> None:
+    """Eager's `tanh` saved its output, so the second backward passes the hook; remat's
+    graph cannot reach an output that is gone: an error, not a gradient without the hook."""
+
+    def run(f: Any) -> torch.Tensor:
+        x = torch.randn(3, dtype=D, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        out = f(x * 2)
+        out.register_hook(lambda g: g * 2)
+        y = out * 3  # `out` itself is dropped below: only eager's saved copy holds it
+        del out
+        (g,) = torch.autograd.grad(y.sum(), [x], create_graph=True)
+        (g * g).sum().backward()
+        assert x.grad is not None
+        return x.grad
+
+    run(torch.tanh)  # eager code runs
+    with pytest.raises(RematError, match=r"output 0 carries a tensor hook .*no longer held by anything.*Keep a ref"):
+        run(remat(torch.tanh))
+    kept = remat(torch.tanh, policy=P.everything_saveable)  # a policy that keeps the output reads it
+    assert_close(run(kept), run(torch.tanh), rtol=0, atol=0)
 
 
 # --- Python side effects ----------------------------------------------------------------
