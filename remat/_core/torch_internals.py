@@ -1016,18 +1016,26 @@ def _with_gradient_only(hook: Callable[[torch.Tensor], Any], grad: torch.Tensor 
     return None if grad is None else hook(grad)
 
 
-def watch_tensor_hooks(t: torch.Tensor) -> dict[int, Any] | None:
-    """The table `t.register_hook` adds `t`'s hooks to, made now (before any hook) so that a
-    holder of the table sees them after `t` itself is gone, and so that they run only with
-    a gradient (`_HookTable`); None if `t` has no autograd node or a table already. torch's
-    `register_hook` makes the table itself when there is none and registers it on
-    `t.grad_fn` (torch 2.13, _tensor.py register_hook; python_hook.cpp calls its values)."""
-    if t._backward_hooks is not None or t.grad_fn is None:
-        return None
-    table = _HookTable()
-    t._backward_hooks = table
-    t.grad_fn._register_hook_dict(t)
-    return table
+def note_hook_tables(node_class: type) -> None:
+    """Let the autograd nodes of `node_class` (a custom Function's backward class) note the
+    tables of `register_hook` hooks of their outputs, as `node.hook_tables` (output number to
+    table), which outlive the outputs; the tables are `_HookTable`s. torch's `register_hook`
+    makes a tensor's table when it has none and hands it to `t.grad_fn._register_hook_dict`,
+    which a subclass of torch's node class may extend (torch 2.13, _tensor.py register_hook):
+    nothing runs per call, only per tensor hooked."""
+    register = node_class._register_hook_dict  # type: ignore[attr-defined]
+
+    def _register_hook_dict(node: Any, tensor: torch.Tensor) -> None:
+        table = _HookTable()
+        table.update(tensor._backward_hooks or {})
+        tensor._backward_hooks = table
+        register(node, tensor)
+        tables = getattr(node, "hook_tables", None)
+        if tables is None:
+            tables = node.hook_tables = {}
+        tables[tensor.output_nr] = table
+
+    node_class._register_hook_dict = _register_hook_dict  # type: ignore[attr-defined]
 
 
 def has_tensor_hooks(t: torch.Tensor) -> bool:

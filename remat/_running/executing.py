@@ -32,9 +32,9 @@ from .._core.torch_internals import (
     has_batched_level,
     has_tensor_hooks,
     innermost_vmap,
+    note_hook_tables,
     transforms_active,
     vmap_randomness_different,
-    watch_tensor_hooks,
 )
 from .._partition.partitioning import Partition, partition
 from .._trace.passes import without_absent_cotangents
@@ -116,12 +116,7 @@ class Plan:
                 inputs[i] = inputs[i].detach()
         if self.more_uses:  # the Function takes such an input once per use: autograd adds each use's gradient
             inputs = [*inputs, *(inputs[i] for i in self.more_uses)]
-        outputs: tuple[torch.Tensor, ...] = apply_function(RematFunction, self, inputs)
-        if self.float_outputs and not self.builds_graph:  # outside torch.func: see `outputs_to_read`
-            node: Any = outputs[self.float_outputs[0]].grad_fn
-            if type(node) is RematFunction._backward_cls:  # type: ignore[attr-defined]  # the Function's ctx
-                node.hooks = [watch_tensor_hooks(outputs[j]) for j in self.float_outputs]
-        return outputs
+        return apply_function(RematFunction, self, inputs)  # type: ignore[no-any-return]
 
     @functools.cached_property
     def unreached_inputs(self) -> list[int]:
@@ -461,13 +456,13 @@ def outputs_to_read(ctx: Any) -> dict[int, tuple[torch.Tensor | None, str | None
     In eager code the derivative of an op that saves its output (tanh, exp, softmax) reads
     that very tensor, so a gradient of the gradient passes the output: its tensor hooks and
     `retain_grad` run, and what reaches it is added up there in eager order. Read the same
-    way, remat's is too. Hooks are seen in the table `Plan.apply` gave each output, which
-    outlives the output; an output without hooks that is gone or changed is recomputed."""
+    way, remat's is too. Hooks are seen in the tables the node notes (`note_hook_tables`),
+    which outlive the outputs; an output without hooks that is gone or changed is recomputed."""
     readable: dict[int, tuple[torch.Tensor | None, str | None]] = {}
-    hooks = getattr(ctx, "hooks", None) or [None] * len(ctx.outputs)
-    for (j, ref, version), table in zip(ctx.outputs, hooks, strict=True):
+    tables = getattr(ctx, "hook_tables", {})
+    for j, ref, version in ctx.outputs:
         tensor = ref()
-        hooked = bool(table) or (tensor is not None and (has_tensor_hooks(tensor) or tensor.retains_grad))
+        hooked = bool(tables.get(j)) or (tensor is not None and (has_tensor_hooks(tensor) or tensor.retains_grad))
         if tensor is None:
             if hooked:
                 readable[j] = (None, "no longer held by anything")
@@ -498,6 +493,9 @@ def _read_outputs(
                 "clone of it instead), or put the hook on a tensor computed from it."
             )
     return [readable[j][0] for j in reading]
+
+
+note_hook_tables(RematFunction._backward_cls)  # type: ignore[attr-defined]
 
 
 def _cache_forward_signature() -> None:
