@@ -33,8 +33,12 @@ REFUSAL_ALLOWED = {
     "inplace_view": "under a torch.func transform, torch could not run an op of the graph",
 }
 # Refusals the README names as limits, whatever the program's constructs: a double backward
-# (`create_graph=True`) that needs an input the first-order backward did not keep.
-DOCUMENTED_REFUSALS = ("this second-order gradient (a backward of a backward) needs",)
+# (`create_graph=True`) that needs an input the first-order backward did not keep, or a
+# region's output, with a hook, that nothing holds any more.
+DOCUMENTED_REFUSALS = (
+    "this second-order gradient (a backward of a backward) needs",
+    "carries a tensor hook (or retain_grad), and this backward builds a graph",
+)
 # Constructs whose Python state may differ once remat has said so with a RematStateWarning.
 WARNING_ALLOWED = frozenset({"list_append", "append_tensor", "attr_set", "nonlocal_assign"})
 # State that only those constructs write: what a warned program may get wrong.
