@@ -373,6 +373,9 @@ def test_an_output_returned_as_is_is_eager_s_object_and_its_hooks_see_every_grad
 
 @pytest.mark.parametrize("watch", ["hook", "retain_grad"])
 def test_a_hooked_output_changed_in_place_before_a_gradient_of_a_gradient_raises_as_torch_does(watch: str) -> None:
+    """Eager's derivative of `tanh` reads its saved output, changed since: torch raises; remat
+    would read the changed tensor, so it raises too, naming the output and the fix."""
+
     def run(f: Any) -> None:
         x = torch.randn(3, dtype=D, requires_grad=True)
         out = f(x * 2)
