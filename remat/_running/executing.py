@@ -449,26 +449,25 @@ class RematFunction(torch.autograd.Function):
 
 
 def outputs_to_read(ctx: Any) -> dict[int, tuple[torch.Tensor | None, str | None]]:
-    """The region's outputs a backward that builds a graph reads as the caller's tensors, by
-    position: those still alive and unchanged; with why it cannot, those it must read but
-    cannot (hooked, and changed in place since or no longer held by anyone).
+    """The region's outputs with tensor hooks or `retain_grad` that a backward that builds a
+    graph reads as the caller's tensors, by position; with why it cannot, those it cannot
+    read (changed in place since, or no longer held by anyone).
 
     In eager code the derivative of an op that saves its output (tanh, exp, softmax) reads
     that very tensor, so a gradient of the gradient passes the output: its tensor hooks and
-    `retain_grad` run, and what reaches it is added up there in eager order. Read the same
-    way, remat's is too. Hooks are seen in the tables the node notes (`note_hook_tables`),
-    which outlive the outputs; an output without hooks that is gone or changed is recomputed."""
+    `retain_grad` run. Read the same way, remat's do too. Hooks are seen in the tables the
+    node notes (`note_hook_tables`), which outlive the outputs."""
     readable: dict[int, tuple[torch.Tensor | None, str | None]] = {}
     tables = getattr(ctx, "hook_tables", {})
     for j, ref, version in ctx.outputs:
         tensor = ref()
-        hooked = bool(tables.get(j)) or (tensor is not None and (has_tensor_hooks(tensor) or tensor.retains_grad))
+        if not (tables.get(j) or (tensor is not None and (has_tensor_hooks(tensor) or tensor.retains_grad))):
+            continue  # read or recomputed, the same value: recomputed, as it is where nothing is hooked
         if tensor is None:
-            if hooked:
-                readable[j] = (None, "no longer held by anything")
+            readable[j] = (None, "no longer held by anything")
         elif tensor._version == version:
             readable[j] = (tensor, None)
-        elif hooked:
+        else:
             readable[j] = (tensor, "modified in place since the region ran")
     return readable
 
