@@ -29,7 +29,7 @@ from remat import (
 )
 from remat import policies as P
 
-from conftest import BUILT_IN_POLICIES
+from conftest import BUILT_IN_POLICIES, pairwise_in_default
 
 POLICIES = {**BUILT_IN_POLICIES, "names": P.save_only_these_names("h"), "offload": P.offload_dot_with_no_batch_dims()}
 
@@ -160,11 +160,14 @@ def _assert_bitwise(actual: Any, expected: Any) -> None:
         assert a.dtype == e.dtype and torch.equal(a, e), (a, e)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
-@pytest.mark.parametrize("policy_name", list(POLICIES))
-@pytest.mark.parametrize("name", list(FUNCTIONS))
-def test_an_untraceable_region_is_bitwise_as_without_remat(name: str, policy_name: str, dtype: torch.dtype) -> None:
-    f = FUNCTIONS[name]
+_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+
+
+@pytest.mark.parametrize(
+    ("name", "policy_name", "dtype_name"), pairwise_in_default(list(FUNCTIONS), list(POLICIES), list(_DTYPES))
+)
+def test_an_untraceable_region_is_bitwise_as_without_remat(name: str, policy_name: str, dtype_name: str) -> None:
+    f, dtype = FUNCTIONS[name], _DTYPES[dtype_name]
     region = remat(f, policy=POLICIES[policy_name])
     expected = _grads(f, dtype)
     with pytest.warns(RematFallbackWarning, match=r"(?s)could not be traced.*Why: .*fallback=False"):

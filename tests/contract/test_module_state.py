@@ -14,7 +14,7 @@ import torch
 from remat import checkpoint_layers, remat
 from remat import policies as P
 
-from conftest import assert_close
+from conftest import assert_close, pairwise_in_default
 
 D = torch.float64
 
@@ -147,12 +147,17 @@ CHANGES: dict[str, list[Callable[[torch.nn.Sequential], None]]] = {
 }
 
 
-@pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.dots_saveable], ids=["none", "nothing", "dots"])
-@pytest.mark.parametrize("change", list(CHANGES))
-@pytest.mark.parametrize("of", ["module", "bound_forward", "closure"])
-def test_a_change_between_calls_is_seen_as_without_remat(change: str, policy: Any, of: str) -> None:
+_CHANGE_POLICIES = {"none": None, "nothing": P.nothing_saveable, "dots": P.dots_saveable}
+
+
+@pytest.mark.parametrize(
+    ("of", "change", "policy_name"),
+    pairwise_in_default(["module", "bound_forward", "closure"], list(CHANGES), list(_CHANGE_POLICIES)),
+)
+def test_a_change_between_calls_is_seen_as_without_remat(of: str, change: str, policy_name: str) -> None:
     """`of`: a region of the module, of its bound `forward` (what checkpoint_layers wraps),
     or of a function that closes over it (`checkpoint(lambda t: block(t), x)`)."""
+    policy = _CHANGE_POLICIES[policy_name]
     model = _model()
     wrapped = {"module": model, "bound_forward": model.forward, "closure": lambda t: model(t)}[of]
     region = remat(wrapped, policy=policy)
