@@ -14,7 +14,7 @@ import torch
 from remat import checkpoint_layers, remat
 from remat import policies as P
 
-from conftest import assert_close, pairwise_in_default
+from conftest import BUILT_IN_POLICIES, assert_close, pairwise_in_default
 
 D = torch.float64
 
@@ -147,17 +147,14 @@ CHANGES: dict[str, list[Callable[[torch.nn.Sequential], None]]] = {
 }
 
 
-_CHANGE_POLICIES = {"none": None, "nothing": P.nothing_saveable, "dots": P.dots_saveable}
-
-
 @pytest.mark.parametrize(
     ("of", "change", "policy_name"),
-    pairwise_in_default(["module", "bound_forward", "closure"], list(CHANGES), list(_CHANGE_POLICIES)),
+    pairwise_in_default(["module", "bound_forward", "closure"], list(CHANGES), ["none", "nothing", "dots"]),
 )
 def test_a_change_between_calls_is_seen_as_without_remat(of: str, change: str, policy_name: str) -> None:
     """`of`: a region of the module, of its bound `forward` (what checkpoint_layers wraps),
     or of a function that closes over it (`checkpoint(lambda t: block(t), x)`)."""
-    policy = _CHANGE_POLICIES[policy_name]
+    policy = BUILT_IN_POLICIES[policy_name]
     model = _model()
     wrapped = {"module": model, "bound_forward": model.forward, "closure": lambda t: model(t)}[of]
     region = remat(wrapped, policy=policy)
