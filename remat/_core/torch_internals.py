@@ -95,13 +95,18 @@ def forward_ad_active() -> bool:
 _FUNCTION_HANDLER: contextvars.ContextVar[Callable[..., Any] | None] = contextvars.ContextVar(
     "remat_function_handler", default=None
 )
-_ORIGINAL_APPLY = vars(torch.autograd.function.Function)["apply"]  # a classmethod
+# Function.apply hands over to autograd through `super().apply`, which finds the base below
+# it: a Python class without an `apply` of its own, so one set there for a while is found
+# first, however the Function's apply was reached (`fn = MyFunction.apply`, bound at import,
+# holds the unpatched Function.apply), and after Function.apply has bound default arguments.
+_APPLY_BASE = torch.autograd.function._SingleLevelFunction
+assert "apply" not in vars(_APPLY_BASE), "torch 2.13: Function.apply's super().apply is _FunctionBase's"
 _PATCHES = 0  # contexts that hold the patched apply (one trace at a time, under the trace lock)
 
 
 def _apply_through_handler(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
     def apply(*args: Any, **kwargs: Any) -> Any:
-        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+        return super(_APPLY_BASE, cls).apply(*args, **kwargs)  # type: ignore[misc]
 
     handler = _FUNCTION_HANDLER.get()
     if handler is None or is_custom_op_autograd(cls) or cls.__module__.startswith(("torch.", "remat.")):
@@ -118,11 +123,12 @@ def function_applications_to(handler: Callable[..., Any]) -> Iterator[None]:
     """While inside, in this context: `SomeFunction.apply(*args, **kwargs)` of a user's
     custom autograd.Function calls `handler(SomeFunction, apply, args, kwargs)`, where
     `apply` applies it as usual (torch's own Functions and custom ops' apply as usual).
-    `Function.apply` is a classmethod of the base class, patched for the duration; other
-    threads and contexts see the usual apply."""
+    Reached from Function.apply outside torch.func transforms (traces run outside them),
+    through an apply method bound before this context too; other threads and contexts see
+    the usual apply."""
     global _PATCHES
     if _PATCHES == 0:
-        torch.autograd.function.Function.apply = classmethod(_apply_through_handler)  # type: ignore[method-assign,assignment]
+        _APPLY_BASE.apply = classmethod(_apply_through_handler)  # type: ignore[attr-defined]
     _PATCHES += 1
     token = _FUNCTION_HANDLER.set(handler)
     try:
@@ -131,7 +137,7 @@ def function_applications_to(handler: Callable[..., Any]) -> Iterator[None]:
         _FUNCTION_HANDLER.reset(token)
         _PATCHES -= 1
         if _PATCHES == 0:
-            torch.autograd.function.Function.apply = _ORIGINAL_APPLY  # type: ignore[method-assign]
+            del _APPLY_BASE.apply  # type: ignore[attr-defined]
 
 
 def function_has_setup_context(function: type[torch.autograd.Function]) -> bool:
@@ -211,6 +217,21 @@ def active_vmaps() -> list[tuple[int, str]]:
         for i in retrieve_all_functorch_interpreters()
         if i.key() == TransformType.Vmap
     ]
+
+
+def untracked_by_a_gradient_transform(t: torch.Tensor) -> bool:
+    """Whether an active gradient transform (grad, vjp, jvp, jacrev, jacfwd) does not track
+    `t` (wraps it at no level of its own): eager code refuses to write into such a tensor
+    under that transform (torch 2.13: functorch's check for mutations of captured tensors)."""
+    if torch._C._functorch.peek_interpreter_stack() is None:
+        return False
+    from torch._C._functorch import TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    functorch = torch._C._functorch
+    wrapped = {functorch.maybe_get_level(w) for w in transform_levels(t)[:-1]}
+    gradients = (TransformType.Grad, TransformType.Jvp)
+    return any(i.key() in gradients and i.level() not in wrapped for i in retrieve_all_functorch_interpreters())
 
 
 def batched_within(t: torch.Tensor, level: int) -> bool:

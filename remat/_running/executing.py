@@ -34,6 +34,7 @@ from .._core.torch_internals import (
     innermost_vmap,
     note_hook_tables,
     transforms_active,
+    untracked_by_a_gradient_transform,
     vmap_randomness_different,
 )
 from .._partition.partitioning import Partition, partition
@@ -289,9 +290,9 @@ class Plan:
         return full, order, cotangent_outputs
 
 
-def eager_under_vmap(stage_one: StageOne, inputs: Sequence[torch.Tensor]) -> bool:
-    """Whether, called under a vmap (the innermost transform) with these inputs, the region
-    must run as it is, without remat, to be exact; two cases, both rare:
+def eager_under_transforms(stage_one: StageOne, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether, called under torch.func transforms with these inputs, the region must run
+    as it is, without remat, to be exact; four cases, all rare:
     - torch's generated vmap rule runs the backward per batch element and sums what
       unbatched inputs get, so an output computed from unbatched inputs only (batched by
       nothing; a draw under `randomness="different"` is batched), whose one cotangent every
@@ -303,12 +304,21 @@ def eager_under_vmap(stage_one: StageOne, inputs: Sequence[torch.Tensor]) -> boo
     - an in-place write of a value batched at some vmap's level into a tensor that is not
       (eager code refuses it: "output with shape [3] doesn't match the broadcast shape
       [2, 3]"), which remat's functional graph would compute: running the region as it is
-      raises as eager code does."""
+      raises as eager code does;
+    - under a gradient transform, an in-place write into an input (or a view of one) the
+      transform does not track, such as a tensor the region closes over (eager code refuses
+      it: "attempted to call in-place operation ... that would mutate a captured Tensor"),
+      which remat's graph would apply after the call: again, it raises as eager code does."""
     if torch.compiler.is_compiling() or not transforms_active():  # dynamo resuming after a break: no vmap
         return False
     if stage_one.fills_like and vmap_randomness_different() and any(has_batched_level(t) for t in inputs):
         return True
     if stage_one.in_place_writes and _writes_batched_into_unbatched(stage_one.in_place_writes, inputs):
+        return True
+    if any(
+        write.target_input is not None and untracked_by_a_gradient_transform(inputs[write.target_input])
+        for write in stage_one.in_place_writes
+    ):
         return True
     vmap = innermost_vmap()
     if vmap is None:

@@ -31,7 +31,7 @@ import torch
 import torch.fx
 
 from .._core.errors import RematTraceError
-from .._core.nodes import is_random, is_view
+from .._core.nodes import ancestors, is_random, is_view
 from .._core.torch_internals import (
     any_autocast_enabled,
     function_applications_to,
@@ -213,9 +213,19 @@ def interiors(graph: torch.fx.Graph) -> dict[int, set[torch.fx.Node]]:
 
 
 def check_units(graph: torch.fx.Graph, units: dict[int, Unit]) -> None:
-    """Refuse a unit whose forward a replay of the Function would not reproduce."""
+    """Refuse a unit whose forward a replay of the Function would not reproduce, or whose
+    backward alone reads a random draw (see `_drawn_argument_only_backward_reads`)."""
     for unit, interior in interiors(graph).items():
         name = units[unit].function.__qualname__
+        drawn = _drawn_argument_only_backward_reads(graph, unit)
+        if drawn is not None:
+            raise RematTraceError(
+                f"the custom torch.autograd.Function `{name}` does not read its tensor argument {drawn} in "
+                "forward, and that argument is computed from random draws: only the Function's backward reads "
+                "it, where remat would draw the numbers again. Compute the argument outside the remat'd "
+                "function and pass it in, or read it in the Function's forward",
+                replayable=False,
+            )
         for node in interior:
             if node.op != "call_function":
                 continue
@@ -233,6 +243,19 @@ def check_units(graph: torch.fx.Graph, units: dict[int, Unit]) -> None:
                     f"({node.target}), which remat cannot recompute as a unit: return a new tensor instead",
                     replayable=False,
                 )
+
+
+def _drawn_argument_only_backward_reads(graph: torch.fx.Graph, unit: int) -> int | None:
+    """The position (among its tensor arguments) of an argument of `unit` that its forward
+    does not read and that is computed from a random draw, or None. Eager code draws it in
+    forward; in remat's joint graph nothing forward reads it, so it would be drawn in
+    backward, from the generator as it is then."""
+    entry = next(n for n in graph.nodes if n.target is UNIT_INPUTS and unit_of(n) == unit)
+    read = {u.args[1] for u in entry.users if u.target is operator.getitem and u.users}
+    for position, argument in enumerate(entry.args[0]):  # type: ignore[arg-type]
+        if position not in read and any(is_random(n) for n in ancestors([argument], set())):
+            return position
+    return None
 
 
 def _entered(value: Any) -> bool:

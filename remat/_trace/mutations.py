@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from .._core.errors import RematTraceError
-from .._core.nodes import comes_after, is_random, source_line, written_values
+from .._core.nodes import comes_after, is_random, is_view, source_line, written_values
 from .._core.torch_internals import OpOverload
 from .passes import argument
 from .records import InPlaceWrite
@@ -219,7 +219,8 @@ def in_place_writes(gm: torch.fx.GraphModule) -> tuple[InPlaceWrite, ...]:
     if not any(_mutated_arguments(n) for n in gm.graph.nodes):
         return ()
     reach: dict[torch.fx.Node, tuple[frozenset[int], bool]] = {}
-    for position, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for position, node in enumerate(placeholders):
         reach[node] = (frozenset([position]), False)
     writes: list[InPlaceWrite] = []
     for node in gm.graph.nodes:
@@ -232,9 +233,33 @@ def in_place_writes(gm: torch.fx.GraphModule) -> tuple[InPlaceWrite, ...]:
             if not isinstance(target, torch.fx.Node) or target not in reach:
                 continue
             others = [reach[a] for a in node.all_input_nodes if a is not target and a in reach]
+            viewed = _viewed_input(target) if target is node.args[0] and _in_place_op(node.target) else None
             writes.append(InPlaceWrite(
                 target_inputs=reach[target][0], target_random=reach[target][1],
                 value_inputs=frozenset().union(*(r[0] for r in others)),
                 value_random=drawn or any(r[1] for r in others),
+                target_input=placeholders.index(viewed) if viewed is not None else None,
             ))
     return tuple(writes)
+
+
+def _in_place_op(op: Any) -> bool:
+    """Whether `op` writes its first argument and returns it, and aliases nothing else:
+    what torch.func's gradient transforms call an in-place op (`add_`, `copy_`; not batch
+    norm, which writes its running statistics unannounced) and check (torch 2.13)."""
+    schema = op._schema
+    if not schema.is_mutable or len(schema.returns) != 1 or not schema.arguments:
+        return False
+    first, rest = schema.arguments[0].alias_info, schema.arguments[1:]
+    returned = schema.returns[0].alias_info
+    return bool(
+        first is not None and first.is_write and all(a.alias_info is None for a in rest)
+        and returned is not None and returned.is_write
+    )
+
+
+def _viewed_input(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The placeholder `node` is, or is a view of (through views only), else None."""
+    while node.op == "call_function" and is_view(node) and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node if node.op == "placeholder" else None

@@ -119,7 +119,8 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
             logical = graph.call_function(_aten.permute.default, (drawn, inverse))
         fresh.meta = {**filled.meta, "val": val.new_empty(physical)}
         drawn.meta = {**node.meta, "val": fresh.meta["val"]}
-        drawn.meta["custom"] = {**drawn.meta.get("custom", {}), FILL_LIKE_KEY: True}  # see _running/executing.eager_under_vmap
+        # see _running/executing.eager_under_transforms
+        drawn.meta["custom"] = {**drawn.meta.get("custom", {}), FILL_LIKE_KEY: True}
         logical.meta = {**node.meta, "val": fresh.meta["val"].permute(inverse)}
         result = _with_zero_derivative_into(graph, logical, filled) if _may_carry_gradient(filled, node) else logical
         node.replace_all_uses_with(result)
@@ -198,13 +199,17 @@ def grad_free_values_as_constants(gm: torch.fx.GraphModule) -> None:
     """A value the function computes with grad disabled (`no_grad`, `inference_mode`,
     `set_grad_enabled(False)`) is a constant of backward in eager code. Stage 2 replays the
     graph with grad on, so each such value is detached where code running with grad on (or
-    the output) reads it: no gradient flows into or through it, as in eager."""
+    the output) reads it: no gradient flows into or through it, as in eager. (A read that is
+    a detach already needs none.)"""
     graph = gm.graph
     for node in list(graph.nodes):
         custom = node.meta.get("custom", {})
         if node.op != "call_function" or not custom.get(GRAD_OFF_KEY) or is_tuple(node):
             continue
-        outside = [u for u in node.users if u.op == "output" or not u.meta.get("custom", {}).get(GRAD_OFF_KEY)]
+        outside = [
+            u for u in node.users
+            if u.op == "output" or not (u.meta.get("custom", {}).get(GRAD_OFF_KEY) or u.target is _aten.detach.default)
+        ]
         if not outside:
             continue
         with graph.inserting_after(node):

@@ -34,8 +34,9 @@ def stage_one_passes(
 ) -> torch.fx.GraphModule:
     """Stage 1's traced graph, rewritten: what must be read before functionalization (memory
     order of random fills, autocast's cast cache, grad-free values, inner backwards), then
-    `functionalize`, then what functionalization leaves (remaining in-place writes, rrelu's
-    noise, `random.from`). Returns the new graph; refuses one that holds an opaque object."""
+    `functionalize`, then what functionalization leaves (grad-free values read through a
+    written view, remaining in-place writes, rrelu's noise, `random.from`). Returns the new
+    graph; refuses one that holds an opaque object."""
     refuse_opaque_objects(gm, fn_name)
     random_fills_in_memory_order(gm)
     random_likes_in_traced_layout(gm)
@@ -43,6 +44,9 @@ def stage_one_passes(
     grad_free_values_as_constants(gm)
     inner_backwards_as_eager(gm)
     gm = functionalize(gm)
+    # again: a write with grad off through a view of a tensor is read afterwards through the
+    # tensor, which functionalization turns into a read of the written value (a scatter)
+    grad_free_values_as_constants(gm)
     functionalize_remaining_mutations(gm, fn_name)
     rrelu_as_product(gm)
     random_from_as_random_to(gm)

@@ -29,13 +29,16 @@ class Scope:
 class InPlaceWrite:
     """An in-place write the traced function makes, by what its operands are computed from:
     the graph inputs (positions) and whether a random draw reaches the tensor written and
-    the other tensors the op reads (a random fill's own draw counts as read). Under vmap,
-    eager code refuses to write a batched value into an unbatched tensor."""
+    the other tensors the op reads (a random fill's own draw counts as read), and the
+    graph input the written tensor is, or is a view of. Under vmap, eager code refuses to
+    write a batched value into an unbatched tensor; under a gradient transform, to write
+    into a tensor the transform does not track (one the function closes over)."""
 
     target_inputs: frozenset[int]
     target_random: bool
     value_inputs: frozenset[int]
     value_random: bool
+    target_input: int | None = None
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,11 @@ class StageOne:
     hook_calls: list[HookCall] = field(default_factory=list)
     hooks: HookSet | None = None  # the hooks of the modules the trace called
     changes_state: bool = False  # the trace changed an object the function reaches (warned)
-    fills_like: bool = False  # a random fill of a tensor made like another (see _running/executing.eager_under_vmap)
+    # a random fill of a tensor made like another (see _running/executing.eager_under_transforms)
+    fills_like: bool = False
     units: dict[int, Any] = field(default_factory=dict)  # custom autograd.Functions traced as units (`_trace/functions`)
-    in_place_writes: tuple[InPlaceWrite, ...] = ()  # before functionalization (see _running/executing.eager_under_vmap)
+    # before functionalization (see _running/executing.eager_under_transforms)
+    in_place_writes: tuple[InPlaceWrite, ...] = ()
 
     @functools.cached_property
     def returned_as_is(self) -> list[tuple[int, bool, int]]:

@@ -71,7 +71,16 @@ from .._core.torch_internals import (
 from .arguments import Call, needs_grad
 from .caches import empty_caches_holding
 from .failures import CustomFunctionUsed, backward_failure, custom_function_behind, trace_failure, user_line
-from .functions import UNIT_MARKERS, UNIT_OUTPUT, UnitRecorder, check_units, interiors, leaving_unit
+from .functions import (
+    UNIT_INPUTS,
+    UNIT_MARKERS,
+    UNIT_OUTPUT,
+    UnitRecorder,
+    check_units,
+    interiors,
+    leaving_unit,
+    unit_of,
+)
 from .hooks import HookCall, HookRecorder
 from .mutations import in_place_writes, outputs_for_mutations
 from .passes import (
@@ -180,7 +189,8 @@ class _GuardTracing(TorchFunctionMode):
                 replayable=False,  # a second run (the recompute) would accumulate again
             )
         if not leaving_unit():  # a unit's outputs leave it through their markers (`functions`)
-            for arg in args:
+            arguments: list[Any] = optree.tree_leaves((args, kwargs or {}))  # type: ignore[arg-type]
+            for arg in arguments:  # in lists too (`torch.stack([a, b])`)
                 refuse_custom_function(arg)
         if self.transformed and func in self._DROPOUTS:
             return _dropout_as_under_transforms(func, *args, **kwargs)
@@ -1006,8 +1016,22 @@ class _MarkDifferentiable(_CarryMeta):
                 return list(args[0])
             if unit not in self.applied:
                 self.applied[unit] = self.units[unit].apply(self.entered[unit])
+                self._note_unit_finished(unit)
             return self.applied[unit][args[2]]
         return super().call_function(target, args, kwargs)
+
+    def _note_unit_finished(self, unit: int) -> None:
+        """The unit's inputs marker is the use of an input that the Function reads: that
+        use's gradient arrives when the Function's backward finishes (the marker's own
+        aliases are what autograd differentiates with respect to, so their nodes never run)."""
+        uses = self.uses
+        entry = next(n for n in self.graph.nodes if n.target is UNIT_INPUTS and unit_of(n) == unit)
+        if uses is None or entry not in uses.users:
+            return
+        outputs = [t for t in self.applied[unit] if isinstance(t, torch.Tensor)]
+        node = next((t.grad_fn for t in outputs if t.grad_fn is not None), None)
+        if node is not None:
+            self.hooks.append(node.register_hook(functools.partial(uses.note_finished, entry)))
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[Any, dict[str, Any]]:
         uses = self.uses
@@ -1033,7 +1057,8 @@ class _MarkDifferentiable(_CarryMeta):
             if out.grad_fn is not None and n.op == "call_function":
                 self.hooks.append(out.grad_fn.register_prehook(functools.partial(_blame, self.blame, producer(n))))
         uses = self.uses
-        if uses is not None and n in uses.users and n.op == "call_function":  # note when its backward finishes
+        if uses is not None and n in uses.users and n.op == "call_function" and n.target is not UNIT_INPUTS:
+            # note when its backward finishes (a unit's: `_note_unit_finished`)
             first = next((t for t in optree.tree_leaves(out) if isinstance(t, torch.Tensor)), None)  # type: ignore[arg-type]
             if first is not None and first.grad_fn is not None:
                 self.hooks.append(first.grad_fn.register_hook(functools.partial(uses.note_finished, n)))

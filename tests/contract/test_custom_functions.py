@@ -181,6 +181,41 @@ def test_custom_functions_under_backward_replay_with_their_own_backward(policy_n
     _assert_equal(actual, expected)
 
 
+class PairOneConstant(torch.autograd.Function):
+    """(x @ w, tanh(x)), the second marked non-differentiable; x's gradient passes straight
+    through the matmul, w gets none."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return x @ w, torch.tanh(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor, _: Any) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return g, None
+
+
+@pytest.mark.parametrize("join", ["stack", "stack reversed", "cat"])
+def test_a_function_whose_outputs_are_first_read_inside_a_list_runs_its_own_backward(join: str) -> None:
+    """`torch.stack([a, b])` hands the Function's outputs over in a list: the region still
+    sees the Function (and runs replayed) instead of differentiating its forward's ops."""
+    x, w = _inputs()
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        pair = list(PairOneConstant.apply(x, w))
+        if join == "cat":
+            return torch.cat(pair).sin().sum()
+        return (x * 3 + torch.stack(pair if join == "stack" else pair[::-1]).mean(0)).sin().sum()
+
+    expected = torch.autograd.grad(f(x.requires_grad_(), w), x)
+    with pytest.warns(RematFallbackWarning, match="PairOneConstant"):
+        actual = torch.autograd.grad(remat(f)(x, w), x)
+    _assert_equal(actual, expected)
+
+
 class OldStyle(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -258,6 +293,76 @@ def test_a_function_a_replay_would_not_reproduce_is_refused_naming_it_and_the_fi
     refused = r"(draws random numbers|writes in place into an argument)"
     with pytest.raises(RematError, match=rf"`{function.__name__}` {refused}"):
         grad(remat(f))(torch.randn(3, dtype=D))
+
+
+_clip = SavesInput.apply  # bound once, as libraries write it (`gelu = GeLUFunction.apply`)
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_a_function_applied_through_an_apply_bound_beforehand_is_traced_as_a_unit(transform: str) -> None:
+    x, w = _inputs()
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _clip(x @ w, 1.5).sin().sum()
+
+    region = remat(f, policy=P.nothing_saveable)
+    _assert_equal(TRANSFORMS[transform](region, x, w), TRANSFORMS[transform](f, x, w))
+
+
+class IgnoresItsFirstArgument(torch.autograd.Function):
+    """y * 2, whose backward gives x (which the forward never reads) a gradient."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return y * 2
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        (out,) = ctx.saved_tensors
+        return g * out, g * 2
+
+
+def test_an_argument_drawn_at_random_that_only_the_backward_reads_is_refused_naming_it_and_the_fix() -> None:
+    """Eager code draws the noise in forward; in a traced graph nothing forward reads it,
+    so backward would draw it again from the generator as it is then."""
+    x, w = _inputs()
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        noisy = x * torch.rand_like(x)
+        return IgnoresItsFirstArgument.apply(noisy, x @ w).sum()
+
+    with pytest.raises(RematError, match=r"`IgnoresItsFirstArgument` does not read its tensor argument 0.*pass it in"):
+        grad(remat(f))(x, w)
+
+    def g(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # the same without a draw is traced
+        return IgnoresItsFirstArgument.apply(x.sin(), x @ w).sum()
+
+    _assert_equal(grad(remat(g), argnums=(0, 1))(x, w), grad(g, argnums=(0, 1))(x, w))
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_an_input_a_function_and_other_ops_read_gets_eager_s_bf16_gradient_bitwise(transform: str) -> None:
+    """Autograd adds an input's gradient terms as their nodes finish: the Function's term
+    comes in its place among the others (in bfloat16 another order rounds otherwise)."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(3, 4, generator=g).bfloat16(), torch.randn(4, 4, generator=g).bfloat16()
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return (x.square() + IgnoresItsFirstArgument.apply(x, x @ w) + x.exp()).sum()
+
+    cotangent = torch.tensor(1.5, dtype=torch.bfloat16)
+    run = {
+        "grad": lambda f: grad(f, argnums=(0, 1))(x, w),
+        "vjp": lambda f: vjp(f, x, w)[1](cotangent),
+        "vmap_grad": lambda f: vmap(grad(f, argnums=(0, 1)), in_dims=(0, None))(torch.stack([x, x.flip(0)]), w),
+    }[transform]
+    _assert_equal(run(remat(f, policy=P.nothing_saveable)), run(f))
 
 
 def test_a_gradient_of_a_gradient_through_a_function_is_refused_naming_it_and_the_fix() -> None:

@@ -301,6 +301,67 @@ def test_a_batched_value_written_into_an_unbatched_tensor_raises_as_eager_under_
     assert run(remat(fn)) == run(fn)
 
 
+def _update_a_captured_count(x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        count.add_(1)  # a counter the function closes over (as a norm layer's)
+    return (x.sin() * (1 + count)).sum()
+
+
+def _update_captured_statistics(x: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        stats[:2].mul_(0.9).add_(x.mean(0)[:2] * 0.1)  # through a view of it
+    return (x.sin() + stats).sum()
+
+
+@pytest.mark.parametrize("fn", [_update_a_captured_count, _update_captured_statistics], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("transform", ["grad", "jvp", "grad_of_grad", "vmap_grad"])
+def test_a_write_into_a_tensor_a_gradient_transform_does_not_track_raises_as_eager(
+    fn: Callable[..., torch.Tensor], transform: str
+) -> None:
+    """Eager gradient transforms refuse to write into a tensor they do not wrap (one the
+    function closes over): remat's graph would apply the write after the call; it raises
+    as eager code does, with torch's own error, and leaves the tensor as eager code does."""
+    x = torch.randn(3, 4, dtype=D)
+
+    def run(f: Callable[..., torch.Tensor]) -> tuple[str, torch.Tensor]:
+        captured = torch.zeros(4, dtype=D) if fn is not _update_a_captured_count else torch.zeros((), dtype=D)
+        with pytest.raises(RuntimeError) as raised:
+            if transform == "grad":
+                grad(lambda x: f(x, captured))(x)
+            elif transform == "jvp":
+                torch.func.jvp(lambda x: f(x, captured), (x,), (x,))
+            elif transform == "grad_of_grad":
+                grad(lambda x: grad(lambda x: f(x, captured))(x).sum())(x)
+            else:
+                vmap(grad(lambda x: f(x, captured)))(x[None].expand(2, 3, 4))
+        return str(raised.value).splitlines()[0], captured
+
+    (error, left), (expected, eager_left) = run(remat(fn)), run(fn)
+    assert error == expected and "mutate a captured Tensor" in error
+    assert torch.equal(left, eager_left)
+
+
+@pytest.mark.parametrize("fn", [_update_a_captured_count, _update_captured_statistics], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("transform", ["grad", "backward"])
+def test_a_write_with_grad_off_into_a_tensor_given_is_a_constant_as_in_eager(
+    fn: Callable[..., torch.Tensor], transform: str
+) -> None:
+    """The same writes into a tensor the region is given (a gradient transform wraps it)
+    run; what they write is a constant of backward, through a view of the tensor too."""
+    x = torch.randn(3, 4, dtype=D)
+    results = []
+    for f in (fn, remat(fn)):
+        given = torch.zeros(4, dtype=D) if fn is not _update_a_captured_count else torch.zeros((), dtype=D)
+        if transform == "grad":
+            gradient = grad(f)(x, given)
+        else:
+            leaf = x.clone().requires_grad_()
+            f(leaf, given).backward()
+            gradient = leaf.grad
+        results.append((gradient, given))
+    assert_close(results[1], results[0])
+
+
 def test_a_batched_value_written_into_a_batched_tensor_under_vmap_stays_traced() -> None:
     """The same writes into tensors vmap batches are exact and traced (not run as they are)."""
     def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

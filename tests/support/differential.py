@@ -198,6 +198,24 @@ INPLACE_VIEW = (
 # or the value itself (an input returned unchanged: its gradient joins those of its uses).
 AUX = ("torch.tanh({a})", "torch.sqrt(torch.relu({a}))", "torch.relu({a}) ** 1.5", "torch.log(torch.relu({a}))", "{a}")
 ACTIVATIONS = {"Tanh": "torch.tanh", "GELU": "F.gelu", "SiLU": "F.silu", "Sigmoid": "torch.sigmoid"}  # module: function
+# A custom autograd.Function's hand-written backward: what setup_context saves, and the
+# gradients of its operands a and b (w gets none). None is the forward's derivative, so a
+# region that differentiated the forward instead of running the backward would differ.
+CUSTOM_BACKWARDS = {
+    "straight": ("a", "g, None"),  # straight-through for a; b gets no gradient
+    "inputs": ("a, b", "g * torch.cos(a), g * b"),
+    "output": ("out", "g * (1 - out * out), g * 0.5"),
+}
+# Updates of tensors the region closes over, as a norm layer's running statistics and
+# counters: in place, with grad off, then read. A counter's update reads no input, so it
+# runs under every transform; a statistic's reads a value, which a transform refuses to
+# write into a tensor it does not track (without remat too).
+BUFFER_UPDATES = {
+    "count": ("with torch.no_grad():", "    count.add_(1)", "{v} = {a} * (1 + count / 8)"),
+    "running": ("with torch.no_grad():", "    stats.mul_(0.9).add_({a}.mean(0) * 0.1)", "{v} = {a} + stats"),
+    "detached": ("", "stats.mul_(0.5).add_({a}.detach().sum(0))", "{v} = {a} * stats.tanh()"),
+    "view": ("with torch.no_grad():", "    stats[1:3].mul_(0.9).add_({a}[0, :2] * 0.1)", "{v} = {a} * stats"),
+}
 NAMES = ("h", "g")
 
 # Constructs: each adds source lines that have a plain rendering, used when it is turned
@@ -227,6 +245,8 @@ CONSTRUCTS = (
     "inplace",
     "inplace_view",
     "two_outputs",
+    "custom_function",
+    "buffer_update",
 )
 REQUIRES = {"module_hooks": "module", "global_module_hook": "module"}
 
@@ -565,6 +585,63 @@ class _Builder:
             self.setup += [f"inner = remat.remat(inner, policy={inner_policy}) if use_remat else inner"]
         self._call("inner", result, grad=True)
 
+    def _custom_function(self) -> None:
+        """`custom(a, b, w)`: a Function with setup_context and a generated vmap rule (as
+        torch.func requires) whose backward is not its forward's derivative; one or two
+        outputs, the second maybe non-differentiable. Plain: the forward as a function."""
+        saved, gradients = CUSTOM_BACKWARDS[self.rng.choice(list(CUSTOM_BACKWARDS))]
+        second = self.rng.choice((None, "differentiable", "non-differentiable"))
+        forward: list[str] = []
+        result = self._local_function(forward)
+        returned = f"{result.name}, torch.tanh(a)" if second else result.name
+        if self.on("custom_function"):
+            out = "output[0]" if second else "output"
+            lines = [
+                "class Custom(torch.autograd.Function):",
+                "    generate_vmap_rule = True",
+                "",
+                "    @staticmethod",
+                "    def forward(a, b, w):",
+                *(f"    {ln}" for ln in forward),
+                f"        return {returned}",
+                "",
+                "    @staticmethod",
+                "    def setup_context(ctx, inputs, output):",
+                "        a, b, w = inputs",
+                f"        out = {out}",
+                *(["        ctx.mark_non_differentiable(output[1])"] if second == "non-differentiable" else []),
+                f"        ctx.save_for_backward({saved})",
+                "",
+                "    @staticmethod",
+                "    def backward(ctx, g, *more):",
+                f"        {saved}, = ctx.saved_tensors",
+                "        ga, gb = " + gradients,
+                "        return ga + sum(more), gb, None",
+                "",
+                "custom = Custom.apply",
+            ]
+        else:
+            lines = ["def custom(a, b, w):", *forward, f"    return {returned}"]
+        self.setup += lines + [""]
+        a, b = self.pick(), self.pick()
+        flows_to_b = not gradients.endswith("None") if self.on("custom_function") else "b" in result.grad_inputs
+        inputs = a.inputs | b.inputs | (self.w.inputs if "w" in result.inputs else frozenset())
+        grads = a.grad_inputs | (b.grad_inputs if flows_to_b else frozenset())
+        first = Value(self.fresh(), inputs, grads)
+        if not second:
+            self.emit([f"{first.name} = custom({a.name}, {b.name}, w)"], first)
+            return
+        other = Value(self.fresh(), a.inputs, a.grad_inputs if second == "differentiable" else frozenset())
+        self.emit([f"{first.name}, {other.name} = custom({a.name}, {b.name}, w)"], first, other)
+
+    def _buffer_update(self) -> None:
+        """An in-place update of a closed-over tensor with grad off, then a read of it."""
+        header, update, read = BUFFER_UPDATES[self.rng.choice(list(BUFFER_UPDATES))]
+        a = self.pick()
+        value = Value(self.fresh(), a.inputs, a.grad_inputs)
+        lines = ([header] if header else []) + [update.format(a=a.name)] if self.on("buffer_update") else []
+        self.emit(lines + [read.format(v=value.name, a=a.name)], value)
+
     def _checkpoint_name(self) -> None:
         if self.values[-1].name in INPUTS:
             self._op()
@@ -678,6 +755,7 @@ class _Builder:
             "    xb, yb = torch.randn(2, 3, 4, dtype=D), torch.randn(2, 3, 4, dtype=D)",
             "    wb = torch.randn(2, 4, 4, dtype=D)",
             "    seen, effects, handles = [], [], []",
+            "    count, stats = torch.zeros((), dtype=D), torch.ones(4, dtype=D)",
             "    state = types.SimpleNamespace(calls=0)",
             "    counter = 0",
             "    params = []",
@@ -723,7 +801,8 @@ class _Builder:
             "",
             f"    transforms = [{', '.join(f'({t!r}, {wrap.format(t=t)})' for t in self.transforms)}]",
             '    state_read = {"attributes": state, "counter": lambda: counter}',
-            '    return transforms, {"seen": seen, "effects": effects, "state": state_read}, close',
+            '    observed = {"seen": seen, "effects": effects, "state": state_read, "buffers": [count, stats]}',
+            "    return transforms, observed, close",
         ]
         return "\n".join(lines) + "\n"
 
