@@ -408,9 +408,9 @@ class Rematerialized(Generic[_P, _R]):
         joint: torch.fx.GraphModule | None = None,
         whole: frozenset[int] = frozenset(),
     ) -> Runnable | None:
-        """A Plan for the captured graph, or a Chain of plans where outputs feed other
-        outputs. `updated`: the inputs the region updates after its forward; `joint`: the
-        forward+backward graph when a template gave it; `whole`: inputs that get one
+        """A Plan for the captured graph, or, outside torch.func transforms, a Chain of plans
+        where outputs feed other outputs. `updated`: the inputs the region updates after its
+        forward; `joint`: the forward+backward graph when a template gave it; `whole`: inputs that get one
         gradient, not one per use (`differentiate`). In a chain, an input the second plan
         reads before the first does gets one from each plan: autograd runs the second's
         backward first, so its gradient reaches the input first, where eager's comes
@@ -418,7 +418,9 @@ class Rematerialized(Generic[_P, _R]):
         diff_inputs = [i for i, needs in enumerate(stage_one.input_needs_grad) if needs]
         if not diff_inputs:
             return None
-        halves = split_at_outputs(stage_one) if joint is None else None  # templates are never chains
+        # templates are never chains; under a torch.func transform, which takes no gradient with
+        # respect to an output, one node adds an input's gradient terms in eager's order
+        halves = split_at_outputs(stage_one) if joint is None and not transforms_active() else None
         if halves is not None:
             first, rest, first_positions, read_by_rest_first, n_shared = halves
             whole = whole | read_by_rest_first

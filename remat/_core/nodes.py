@@ -137,6 +137,16 @@ def is_view(node: torch.fx.Node) -> bool:
     return isinstance(op, OpOverload) and op.is_view
 
 
+def view_root(node: torch.fx.Node) -> torch.fx.Node:
+    """The value `node` views (through views only), or `node` itself when it is no view."""
+    while node.op == "call_function" and is_view(node):
+        source = producer(node).args[0]
+        if not isinstance(source, torch.fx.Node):
+            break
+        node = source
+    return node
+
+
 def is_random(node: torch.fx.Node) -> bool:
     """Whether the op draws random numbers (attention with dropout_p=0 does not)."""
     node = producer(node)

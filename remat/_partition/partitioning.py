@@ -23,7 +23,17 @@ from remat.policies import (
     dots_with_no_batch_dims_saveable,
 )
 
-from .._core.nodes import SCOPE_KEY, ancestors, is_random, is_tuple, is_view, node_name, producer, source_line
+from .._core.nodes import (
+    SCOPE_KEY,
+    ancestors,
+    is_random,
+    is_tuple,
+    is_view,
+    node_name,
+    producer,
+    source_line,
+    view_root,
+)
 from .._core.torch_internals import graph_module
 from .._trace.passes import read_mutated_inputs_from_copies
 from .._trace.pipelines import joint_passes
@@ -83,12 +93,6 @@ class Partition:
     replayed: list[int]  # rng index of each random op backward replays, in the order of its states
     checked: int  # debug mode: how many recomputed values backward compares with the forward's
     offloaded: int = 0  # kept values held in host memory between forward and backward
-
-
-def _view_root(node: torch.fx.Node) -> torch.fx.Node:
-    while node.op == "call_function" and is_view(node):
-        node = producer(node).args[0]  # type: ignore[assignment]
-    return node
 
 
 def _computed_from(roots: Iterable[Any], inputs: set[torch.fx.Node]) -> set[torch.fx.Node]:
@@ -527,7 +531,7 @@ def _allowed(graph: torch.fx.Graph, forward_nodes: set[torch.fx.Node], decide: D
             continue
         if decide(node):
             if is_view(node):
-                root = _view_root(node)
+                root = view_root(node)
                 if root.op == "call_function":
                     allowed.add(producer(root))
             else:

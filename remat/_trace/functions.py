@@ -245,12 +245,17 @@ def check_units(graph: torch.fx.Graph, units: dict[int, Unit]) -> None:
                 )
 
 
+def unit_entry(graph: torch.fx.Graph, unit: int) -> torch.fx.Node:
+    """The inputs marker of Function unit `unit`: where the unit's arguments enter the graph."""
+    return next(n for n in graph.nodes if n.target is UNIT_INPUTS and unit_of(n) == unit)
+
+
 def _drawn_argument_only_backward_reads(graph: torch.fx.Graph, unit: int) -> int | None:
     """The position (among its tensor arguments) of an argument of `unit` that its forward
     does not read and that is computed from a random draw, or None. Eager code draws it in
     forward; in remat's joint graph nothing forward reads it, so it would be drawn in
     backward, from the generator as it is then."""
-    entry = next(n for n in graph.nodes if n.target is UNIT_INPUTS and unit_of(n) == unit)
+    entry = unit_entry(graph, unit)
     read = {u.args[1] for u in entry.users if u.target is operator.getitem and u.users}
     for position, argument in enumerate(entry.args[0]):  # type: ignore[arg-type]
         if position not in read and any(is_random(n) for n in ancestors([argument], set())):

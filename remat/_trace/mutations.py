@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from .._core.errors import RematTraceError
-from .._core.nodes import comes_after, is_random, is_view, source_line, written_values
+from .._core.nodes import comes_after, is_random, source_line, view_root, written_values
 from .._core.torch_internals import OpOverload
 from .passes import argument
 from .records import InPlaceWrite
@@ -260,6 +260,5 @@ def _in_place_op(op: Any) -> bool:
 
 def _viewed_input(node: torch.fx.Node) -> torch.fx.Node | None:
     """The placeholder `node` is, or is a view of (through views only), else None."""
-    while node.op == "call_function" and is_view(node) and isinstance(node.args[0], torch.fx.Node):
-        node = node.args[0]
-    return node if node.op == "placeholder" else None
+    root = view_root(node)
+    return root if root.op == "placeholder" else None

@@ -49,6 +49,7 @@ from .._core.nodes import (
     is_view,
     producer,
     source_line,
+    view_root,
 )
 from .._core.torch_internals import (
     any_autocast_enabled,
@@ -79,7 +80,7 @@ from .functions import (
     check_units,
     interiors,
     leaving_unit,
-    unit_of,
+    unit_entry,
 )
 from .hooks import HookCall, HookRecorder
 from .mutations import in_place_writes, outputs_for_mutations
@@ -476,9 +477,7 @@ def _reads_storage_offsets(gm: torch.fx.GraphModule) -> bool:
     for node in gm.graph.nodes:
         if node.op == "call_function" and getattr(node.target, "overloadpacket", None) in AS_STRIDED_OPS:
             source = node.args[0]
-            while isinstance(source, torch.fx.Node) and source.op == "call_function" and is_view(source):
-                source = producer(source).args[0]
-            if isinstance(source, torch.fx.Node) and source.op == "placeholder":
+            if isinstance(source, torch.fx.Node) and view_root(source).op == "placeholder":
                 return True
     return False
 
@@ -1025,7 +1024,7 @@ class _MarkDifferentiable(_CarryMeta):
         use's gradient arrives when the Function's backward finishes (the marker's own
         aliases are what autograd differentiates with respect to, so their nodes never run)."""
         uses = self.uses
-        entry = next(n for n in self.graph.nodes if n.target is UNIT_INPUTS and unit_of(n) == unit)
+        entry = unit_entry(self.graph, unit)
         if uses is None or entry not in uses.users:
             return
         outputs = [t for t in self.applied[unit] if isinstance(t, torch.Tensor)]

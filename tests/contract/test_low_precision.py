@@ -333,6 +333,32 @@ def test_an_input_read_by_both_parts_of_a_chained_region_gets_eager_s_gradient(
         _bitwise(run(remat.remat(fn, policy=policy)), expected)
 
 
+def _chain_interleaved(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An output (`v`) that feeds another, x read four times, by the other output before
+    and after `v`'s read: eager adds `v`'s term between the others."""
+    before = x.t().reshape(x.shape)
+    v = torch.atan(x)
+    return before + F.layer_norm(x, x.shape[-1:], v[0], v[1]) + x * w, v
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap_grad"])
+def test_outputs_feeding_outputs_under_a_transform_add_gradient_terms_in_eager_s_order(transform: str) -> None:
+    """Under a torch.func transform, which takes no gradient with respect to an output, such
+    a region stays one autograd node, whose gradient terms come in eager's order (two
+    nodes would add each node's terms first: with three or more terms, another rounding)."""
+    torch.manual_seed(0)
+    xs = torch.randn(2, 3, 4, dtype=torch.bfloat16)
+    ws = torch.randn(2, 3, 4, dtype=torch.bfloat16)
+    cotangent = torch.randn(3, 4, dtype=torch.bfloat16)
+
+    def run(region: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        return _gradients(lambda x, w: (region(x, w)[0] * cotangent).sum(), transform, (xs, ws))
+
+    expected = run(_chain_interleaved)
+    for policy in POLICIES.values():
+        _bitwise(run(remat.remat(_chain_interleaved, policy=policy)), expected)
+
+
 def _chain_sharing_an_intermediate(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An output (`v`) that feeds another, and an intermediate (`h`) both parts read."""
     h = x @ w
