@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, Sequence
 import optree
 import torch
 
+from .._core.no_remat import NO_REMAT, is_no_remat
 from .decorator import remat, using_policy, without_remat
 from .measuring import saved_tensor_bytes
 from .reports import _table, human_bytes, human_flops, pyplot, report
@@ -101,13 +102,13 @@ def compare(
         has_regions = report(f, *tracked, **kwargs).calls > 0
     rows = []
     untimed: tuple[None, None, None] = (None, None, None)
-    steps = [_NO_REMAT] * baseline + list(policies)
+    steps = [NO_REMAT] * baseline + list(policies)
     for policy in _progress(steps, measure if progress is None else progress):
-        if policy is _NO_REMAT:
+        if is_no_remat(policy):
             with without_remat():
                 kept = saved_tensor_bytes(f, *tracked, **kwargs)
                 median, peak, spread = _measure(f, tracked, kwargs, repeats) if measure else untimed
-            rows.append(Comparison("no remat", kept, 0, median, peak, spread))
+            rows.append(Comparison(NO_REMAT, kept, 0, median, peak, spread))
             continue
         target = f if has_regions else remat(f, policy=policy)
         with using_policy(policy):
@@ -119,8 +120,6 @@ def compare(
     return rows
 
 
-_NO_REMAT: Any = object()
-
 
 def _progress(steps: list[Any], show: bool) -> Iterator[Any]:
     """The steps, with a progress line on stderr when `show`: tqdm's where installed."""
@@ -131,7 +130,7 @@ def _progress(steps: list[Any], show: bool) -> Iterator[Any]:
         from tqdm.auto import tqdm
     except ImportError:
         for k, step in enumerate(steps, 1):
-            print(f"remat.compare: {k}/{len(steps)} {'no remat' if step is _NO_REMAT else step!r}", file=sys.stderr)
+            print(f"remat.compare: {k}/{len(steps)} {step if is_no_remat(step) else repr(step)}", file=sys.stderr)
             yield step
         return
     yield from tqdm(steps, desc="remat.compare", unit="policy")
