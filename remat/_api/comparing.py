@@ -120,7 +120,6 @@ def compare(
     return rows
 
 
-
 def _progress(steps: list[Any], show: bool) -> Iterator[Any]:
     """The steps, with a progress line on stderr when `show`: tqdm's where installed."""
     if not show:
