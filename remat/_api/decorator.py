@@ -285,6 +285,8 @@ class Rematerialized(Generic[_P, _R]):
         if stage_one.hook_calls:
             hooked = results[stage_one.n_outputs - stage_one.n_hook_outputs : stage_one.n_outputs]
             call_hooks(stage_one.hook_calls, hooked, self.region)
+        if not stage_one.grad_enabled_after:  # the function turns grad off for its caller, as when it runs
+            torch.set_grad_enabled(False)
         if stage_one.n_outputs == 1 and stage_one.out_spec.is_leaf():  # one tensor: no tree to rebuild
             return results[0]
         return self._rebuild_outputs(plan, results)

@@ -72,6 +72,8 @@ class StageOne:
     units: dict[int, Any] = field(default_factory=dict)  # custom autograd.Functions traced as units (`_trace/functions`)
     # before functionalization (see _running/executing.eager_under_transforms)
     in_place_writes: tuple[InPlaceWrite, ...] = ()
+    # the grad mode the function leaves its caller in (`torch.set_grad_enabled(False)` not undone)
+    grad_enabled_after: bool = True
 
     @functools.cached_property
     def returned_as_is(self) -> list[tuple[int, bool, int]]:

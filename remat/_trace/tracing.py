@@ -168,9 +168,22 @@ class _GuardTracing(TorchFunctionMode):
         # that casts are ops it sees, which an autocast context opened inside inherits; one
         # opened with cache_enabled=False inside the function is not told apart).
         self._eager_caches = eager_caches
+        self._default_dtype = torch.get_default_dtype()
+
+    def refuse_changed_default_dtype(self) -> None:
+        """A graph makes tensors (`torch.ones(3)`, `arange`) in the default dtype of the call
+        that runs it: one the function changes is not in the graph."""
+        now = torch.get_default_dtype()
+        if now is not self._default_dtype:
+            raise RematTraceError(
+                f"torch's default dtype was changed inside the region (torch.set_default_dtype), from "
+                f"{self._default_dtype} to {now}; a traced graph makes its tensors in the caller's default dtype. "
+                "Set the default dtype outside the remat'd function, or pass `dtype=` to what makes tensors"
+            )
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        self.refuse_changed_default_dtype()
         what = self._REFUSED.get(func)
         if what is not None:
             raise RematTraceError(f"{what} reads a tensor's data, which tracing does not have")
@@ -364,6 +377,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         units_recording = units.recording() if units is not None else contextlib.nullcontext()
         with call.substituted(replacements), _annotating(guard, draws, made), guard, hooks.recording(), units_recording:
             out = fn(*args, **kwargs)
+            out_info["grad_enabled_after"] = torch.is_grad_enabled()  # `torch.set_grad_enabled(False)` left on
+            guard.refuse_changed_default_dtype()
         leaves, spec = optree.tree_flatten(out)
         for leaf in leaves:
             refuse_custom_function(leaf)
@@ -377,6 +392,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     # under a transform, where the region must be traced, a custom Function is a unit of its own
     units = UnitRecorder(vmapped=any_vmap_active(), nested=nested_gradients()) if under_transform else None
     eager_caches = torch.is_autocast_cache_enabled()
+    # each run of the Python starts as the call did, whatever the last run left
+    grad_enabled, default_dtype = torch.is_grad_enabled(), torch.get_default_dtype()
     # eager autocast casts a leaf that requires grad once per (outer) autocast context
     with tracing_isolated(), _tracing_region(Scope(policy, fn_name)) as scopes:
         mode = new_fake_mode()
@@ -391,6 +408,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         made: list[weakref.ref[torch.Tensor]] = []  # what the function's ops gave it
 
         def restart() -> None:  # what a run the recorder gave up on noted
+            torch.set_grad_enabled(grad_enabled)
+            torch.set_default_dtype(default_dtype)
             _empty_caches_holding_stand_ins(fn_name, fn, made, fakes)
             del scopes[1:]
             draws.start()
@@ -408,6 +427,8 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
                 raise
             raise failure from error
         finally:
+            torch.set_grad_enabled(grad_enabled)  # the plan runs as the call began; the call sets what fn left
+            torch.set_default_dtype(default_dtype)
             draws.restore()
             _empty_caches_holding_stand_ins(fn_name, fn, made, fakes)
         try:
@@ -455,6 +476,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         changes_state=bool(changes),
         units=dict(units.units) if units is not None else {},
         in_place_writes=writes,
+        grad_enabled_after=out_info["grad_enabled_after"],
     )
 
 

@@ -148,6 +148,93 @@ def test_an_output_computed_with_grad_off_does_not_require_grad() -> None:
     assert_close(stats, x.mean().detach())
 
 
+def _leaves_grad_off(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    h = (x @ w).tanh()
+    torch.set_grad_enabled(False)  # not undone: the caller goes on with grad off
+    return h * x, h.sum()
+
+
+class _Doubled(torch.autograd.Function):
+    """A hand-written backward remat cannot trace under `.backward()`: the region replays."""
+
+    @staticmethod
+    def forward(a: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return a * 2
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pass
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad * 2
+
+
+def _grad_off_by_call_after_a_custom_function(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    h = _Doubled.apply(x @ w)
+    torch.set_grad_enabled(False)  # the trace gives up after this line; the replay starts as the call did
+    stats = h.mean()
+    torch.set_grad_enabled(True)
+    return h.sin() * stats
+
+
+@pytest.mark.parametrize("fn", [_leaves_grad_off, _grad_off_by_call_after_a_custom_function], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("policy_name", ["none", "dots"])
+def test_the_grad_mode_a_function_leaves_is_its_caller_s_on_every_call(fn: Fn, policy_name: str) -> None:
+    """`torch.set_grad_enabled(False)` called (not a `with` block) sets the caller's grad
+    mode: what the function leaves, each call leaves, traced or planned, and a trace that
+    gives up (to replay the region) after such a call starts the Python again in the
+    caller's grad mode, not in the one the attempt left."""
+    region = remat(fn, policy=CHANNEL_POLICIES[policy_name])
+
+    def observed(f: Fn) -> list[Any]:
+        seen: list[Any] = []
+        for _ in range(2):  # traced (or replayed), then planned
+            x, p = _params()
+            x.requires_grad_()
+            torch.set_grad_enabled(True)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", remat_package.RematFallbackWarning)
+                out = f(x, p["w"])
+            left = torch.is_grad_enabled()
+            torch.set_grad_enabled(True)
+            outs = out if isinstance(out, tuple) else (out,)
+            needs = [o.requires_grad for o in outs]
+            grads = torch.autograd.grad(outs[0].sum(), x) if needs[0] else ()
+            seen += [left, needs, [o.detach() for o in outs], grads]
+        return seen
+
+    try:
+        assert_close(observed(region), observed(fn), rtol=0, atol=0)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _sets_the_default_dtype(x: torch.Tensor) -> torch.Tensor:
+    torch.set_default_dtype(torch.float64)
+    scale = torch.full((3,), 1 / 3)  # float64 in eager code: the default the line above set
+    torch.set_default_dtype(torch.float32)
+    return x.sin() * scale
+
+
+def test_a_default_dtype_changed_inside_a_region_runs_as_eager_or_is_refused_naming_it() -> None:
+    """A graph makes its tensors in the default dtype of the call that runs it, so a change
+    inside the function is not in the graph: the region runs replayed, as eager code does
+    (same dtypes, same values, same gradient), and with `fallback=False` the error names
+    `torch.set_default_dtype` and the fix. The caller's default dtype is left as it was."""
+    x = torch.randn(3, requires_grad=True)
+    expected = _sets_the_default_dtype(x)
+    expected_grad = torch.autograd.grad(expected.sum(), x)
+    for _ in range(2):
+        with pytest.warns(remat_package.RematFallbackWarning, match="set_default_dtype"):
+            out = remat(_sets_the_default_dtype)(x)
+        assert out.dtype is torch.float64 and torch.get_default_dtype() is torch.float32
+        assert_close((out, torch.autograd.grad(out.sum(), x)), (expected, expected_grad), rtol=0, atol=0)
+    with pytest.raises(RematTraceError, match=r"default dtype was changed .*torch\.set_default_dtype.* outside"):
+        remat(_sets_the_default_dtype, fallback=False)(x)
+    assert torch.get_default_dtype() is torch.float32
+
+
 def test_an_in_place_change_with_grad_off_keeps_its_exact_value() -> None:
     """The changed value is the value eager code reads, bit for bit, also where the old one
     is infinite (a straight-through `x + (v - x).detach()` would read NaN there)."""
