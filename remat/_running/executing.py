@@ -214,7 +214,9 @@ class Plan:
         cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
         n_states = len(self.part.replayed) + self.part.checked
         n_values = len(values) - n_states  # rng states and debug values are not values of the pure graph
-        joint = vjp_of_graph(self.part.forward_pure, self.stage_one.input_values, self.diff_inputs, cotangent_outputs)
+        joint = vjp_of_graph(
+            self.part.forward_pure, self.stage_one.input_values, self.diff_inputs, cotangent_outputs, self.gradient_counts
+        )
         outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][:n_values]
         residuals = self.part.residual_outputs[: len(self.part.residual_outputs) - n_states]
         chosen = {outs[j] for j in [*residuals, *outputs]}
@@ -444,7 +446,8 @@ class RematFunction(torch.autograd.Function):
             sources = (*kept, *_read_outputs(plan, readable, order, len(kept))) if readable else kept
             backward, cotangents = plan.backward_for(full.backward, grads, cotangent_outputs, kept)
             input_grads = plan.run(backward, *[sources[k] for k in order], *cotangents)
-            positions = plan.diff_inputs  # one gradient per input, all of it for the first use
+            # one gradient per use, as in first order (`vjp_of_graph`), or one per input, all for its first use
+            positions = plan.gradient_positions if len(input_grads) == len(plan.gradient_positions) else plan.diff_inputs
         else:
             backward, tangents = plan.backward_for(plan.part.backward, grads, plan.float_outputs, kept)
             first_order = kept if len(kept) == plan.n_first_order_kept else kept[: plan.n_first_order_kept]

@@ -1093,11 +1093,21 @@ def graph_output_values(gm: torch.fx.GraphModule) -> list[Any]:
 
 
 def vjp_of_graph(
-    forward: torch.fx.GraphModule, input_values: Sequence[Any], diff_inputs: Sequence[int], cotangent_outputs: Sequence[int]
+    forward: torch.fx.GraphModule,
+    input_values: Sequence[Any],
+    diff_inputs: Sequence[int],
+    cotangent_outputs: Sequence[int],
+    gradient_counts: Sequence[int],
 ) -> torch.fx.GraphModule:
-    """A joint graph for an already partitioned forward graph (used for higher-order grads)."""
+    """A joint graph for an already partitioned forward graph (used for higher-order grads):
+    an input gets one gradient per use, as in the first-order joint graph, where its counts
+    (`gradient_counts`, per input in `diff_inputs`) are the same; else one in all."""
     shim = StageOne(
         graph=forward, n_explicit=len(input_values), lifted=[], by_reference=[], input_paths=[],
         out_spec=None, out_static=[], n_outputs=0, mutated=[], input_values=list(input_values),
     )
+    if any(count > 1 for count in gradient_counts):
+        joint = differentiate(shim, diff_inputs, cotangent_outputs, by_use=True)
+        if [gradient_count(joint, i) for i in diff_inputs] == list(gradient_counts):
+            return joint
     return differentiate(shim, diff_inputs, cotangent_outputs, by_use=False)
