@@ -214,9 +214,8 @@ class Plan:
         cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
         n_states = len(self.part.replayed) + self.part.checked
         n_values = len(values) - n_states  # rng states and debug values are not values of the pure graph
-        joint = vjp_of_graph(
-            self.part.forward_pure, self.stage_one.input_values, self.diff_inputs, cotangent_outputs, self.gradient_counts
-        )
+        inputs = self.stage_one.input_values
+        joint = vjp_of_graph(self.part.forward_pure, inputs, self.diff_inputs, cotangent_outputs, self.gradient_counts)
         outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][:n_values]
         residuals = self.part.residual_outputs[: len(self.part.residual_outputs) - n_states]
         chosen = {outs[j] for j in [*residuals, *outputs]}
