@@ -152,7 +152,7 @@ class _GuardTracing(TorchFunctionMode):
         torch.Tensor.retain_grad: ".retain_grad()",
     }
 
-    def __init__(self, transformed: bool, eager_caches: bool) -> None:
+    def __init__(self, transformed: bool, eager_caches: bool, default_dtype: torch.dtype) -> None:
         super().__init__()
         self.transformed = transformed
         self.grad_off = False  # the call being run was made with grad disabled
@@ -168,7 +168,7 @@ class _GuardTracing(TorchFunctionMode):
         # that casts are ops it sees, which an autocast context opened inside inherits; one
         # opened with cache_enabled=False inside the function is not told apart).
         self._eager_caches = eager_caches
-        self._default_dtype = torch.get_default_dtype()
+        self._default_dtype = default_dtype  # the call's
 
     def refuse_changed_default_dtype(self) -> None:
         """A graph makes tensors (`torch.ones(3)`, `arange`) in the default dtype of the call
@@ -373,7 +373,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         replacements = list(call.captured)
         for i, t in zip(slotted, tensors[n_explicit:]):
             replacements[i] = t
-        guard = _GuardTracing(under_transform, eager_caches)
+        guard = _GuardTracing(under_transform, eager_caches, default_dtype)
         units_recording = units.recording() if units is not None else contextlib.nullcontext()
         with call.substituted(replacements), _annotating(guard, draws, made), guard, hooks.recording(), units_recording:
             out = fn(*args, **kwargs)
@@ -407,9 +407,12 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         hooks = HookRecorder()
         made: list[weakref.ref[torch.Tensor]] = []  # what the function's ops gave it
 
-        def restart() -> None:  # what a run the recorder gave up on noted
+        def as_called() -> None:  # the grad mode and default dtype the call began in
             torch.set_grad_enabled(grad_enabled)
             torch.set_default_dtype(default_dtype)
+
+        def restart() -> None:  # what a run the recorder gave up on noted
+            as_called()
             _empty_caches_holding_stand_ins(fn_name, fn, made, fakes)
             del scopes[1:]
             draws.start()
@@ -427,8 +430,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
                 raise
             raise failure from error
         finally:
-            torch.set_grad_enabled(grad_enabled)  # the plan runs as the call began; the call sets what fn left
-            torch.set_default_dtype(default_dtype)
+            as_called()  # the plan runs as the call began; the call sets the grad mode fn left
             draws.restore()
             _empty_caches_holding_stand_ins(fn_name, fn, made, fakes)
         try:
