@@ -446,6 +446,7 @@ class Rematerialized(Generic[_P, _R]):
         part = partition(
             joint, len(stage_one.input_values), n_outputs, decide, debug=self.debug, mutated=updated,
             budget=budget_of(stage_one.scopes), offload=not nested_gradients(), rng_end=stage_one.rng_end,
+            second_order=nested_gradients(),
         )
         plan = Plan(
             stage_one=stage_one, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region,

@@ -171,8 +171,10 @@ def _choose_kept(
     budget: Budget | None,
     offload: bool,
     must_keep: set[torch.fx.Node],
+    second_order: bool = False,
 ) -> _Kept:
-    """Ask the policy (or fit the budget) and walk back from what backward needs."""
+    """Ask the policy (or fit the budget) and walk back from what backward needs; for a
+    backward that is differentiated again, keep only what no recomputed value leads to."""
     graph, input_set = joint.graph, joint.input_set
     needed = _needed_by_backward(joint)
     if exact:
@@ -182,6 +184,9 @@ def _choose_kept(
     else:
         allowed = _allowed(graph, joint.forward, decide) | must_keep
     saved_inputs, residuals, recompute = _walk(needed, allowed, input_set, exact)
+    while second_order and (downstream := _downstream_of_recompute(graph, residuals, recompute) - must_keep):
+        allowed -= downstream | {producer(n) for n in downstream}
+        saved_inputs, residuals, recompute = _walk(needed, allowed, input_set, exact)
 
     order = {n: i for i, n in enumerate(graph.nodes)}
     residual_list = sorted(residuals, key=order.__getitem__)
@@ -207,6 +212,21 @@ def _choose_kept(
         sorted(saved_inputs, key=order.__getitem__), residual_list, recompute, replayed, keep_forward, checked,
         out_positions, extra, offloads,
     )
+
+
+def _downstream_of_recompute(
+    graph: torch.fx.Graph, residuals: set[torch.fx.Node], recompute: set[torch.fx.Node]
+) -> set[torch.fx.Node]:
+    """The kept values computed (in forward) from a value backward recomputes. In a
+    gradient of a gradient such a value would be two autograd nodes, the forward's (which
+    the kept value leads back to) and the backward's, each adding its own second-order
+    terms before they meet: eager has one node, which adds them all, so the sums round
+    otherwise."""
+    reached: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if any(i in reached or (i in recompute and i.op == "call_function") for i in node.all_input_nodes):
+            reached.add(node)
+    return residuals & reached
 
 
 def _build_forward(
@@ -282,6 +302,8 @@ def partition(
     budget: Budget | None = None,
     offload: bool = True,
     rng_end: dict[str, Source] | None = None,
+    second_order: bool = False,
+    read_as_is: Iterable[torch.fx.Node] = (),
 ) -> Partition:
     """Split `joint_gm` (inputs, tangents -> outputs, gradients) into forward and backward:
     classify its nodes, run the joint passes, choose what is kept, build both graphs and
@@ -294,16 +316,19 @@ def partition(
     With a `budget`, what its region keeps is chosen to fit it (see budget.py). Values
     a policy answers `Offload` for wait in host memory (see offloading.py) when `offload`.
     `rng_end`: where the function left each generator's stream (see _trace/randomness.py).
+    With `second_order` (a backward that is differentiated again), nothing is kept that is
+    computed from a value backward recomputes: second-order terms then add as in eager;
+    but for `read_as_is`, outputs backward reads as the caller's own tensors (their hooks run).
     """
     graph = joint_gm.graph
     inputs = [n for n in graph.nodes if n.op == "placeholder"][:n_inputs]
-    must_keep = read_mutated_inputs_from_copies(graph, [inputs[i] for i in mutated])
+    must_keep = read_mutated_inputs_from_copies(graph, [inputs[i] for i in mutated]) | set(read_as_is)
     joint = _classify(graph, n_inputs, n_outputs)
     joint_passes(graph, joint.forward, joint.backward)
     joint = _classify(graph, n_inputs, n_outputs, forward=joint.forward)
     if _computed_from(joint.outs, joint.input_set) & set(joint.tangents):
         raise AssertionError("remat: a forward output depends on a tangent; please report this bug")
-    kept = _choose_kept(joint, decide, exact, debug, budget, offload, must_keep)
+    kept = _choose_kept(joint, decide, exact, debug, budget, offload, must_keep, second_order)
     return Partition(
         forward=_module(joint_gm, _build_forward(joint_gm, joint, kept, rng_end, lowered=True)),
         forward_pure=_module(joint_gm, _build_forward(joint_gm, joint, kept, rng_end, lowered=False)),

@@ -205,11 +205,14 @@ class Plan:
     def _second_order(self) -> tuple[Partition, list[int], list[int]]:
         return self._second_order_reading(frozenset())
 
-    def _second_order_reading(self, outputs: frozenset[int]) -> tuple[Partition, list[int], list[int]]:
+    def _second_order_reading(
+        self, outputs: frozenset[int], as_eager: bool = True
+    ) -> tuple[Partition, list[int], list[int]]:
         """The joint of the pure forward with cotangents for its kept values too, split
-        keeping exactly what the first-order forward keeps, and the values of `outputs`
-        (read as the caller's tensors, see `higher_order`); its cotangent outputs and the
-        first-order residual positions."""
+        keeping what the first-order forward keeps (`as_eager`: only what no recomputed
+        value leads to, so that the second-order terms add as in eager), and the values of
+        `outputs` (read as the caller's tensors, see `higher_order`); its cotangent outputs
+        and the first-order residual positions."""
         values = self.output_values
         cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
         n_states = len(self.part.replayed) + self.part.checked
@@ -219,8 +222,19 @@ class Plan:
         outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][:n_values]
         residuals = self.part.residual_outputs[: len(self.part.residual_outputs) - n_states]
         chosen = {outs[j] for j in [*residuals, *outputs]}
-        full = partition(joint, len(self.stage_one.input_values), n_values, chosen.__contains__, exact=True)
+        full = partition(
+            joint, len(self.stage_one.input_values), n_values, chosen.__contains__, exact=True, second_order=as_eager,
+            read_as_is=[outs[j] for j in outputs],
+        )
         return full, cotangent_outputs, residuals
+
+    def _unkept(self, full: Partition, residuals: list[int], reading: frozenset[int]) -> list[str]:
+        """What the higher-order backward `full` reads that the first-order forward did not keep."""
+        full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
+        kept_inputs = self.part.saved_inputs + self.extra_inputs
+        missing = [f"`{self.stage_one.input_paths[i]}`" for i in full.saved_inputs if i not in kept_inputs]
+        inner = [f"`output {j}`" for j in full_residuals if j not in residuals and j not in reading]
+        return missing + inner + [f"`random op {k}`" for k in full.replayed if k not in self.part.replayed]
 
     def keep_inputs_for_second_order(self) -> None:
         """Called when the plan is traced under nested gradients (torch.func.grad of grad,
@@ -265,19 +279,19 @@ class Plan:
                 "function, or apply remat to code without the Function."
             )
         full, cotangent_outputs, residuals = self._second_order_reading(reading)
-        full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
-        kept_inputs = self.part.saved_inputs + self.extra_inputs
-        missing = [self.stage_one.input_paths[i] for i in full.saved_inputs if i not in kept_inputs]
-        inner = [f"output {j}" for j in full_residuals if j not in residuals and j not in reading]
-        inner += [f"random op {k}" for k in full.replayed if k not in self.part.replayed]
-        if missing or inner:
+        unkept = self._unkept(full, residuals, reading)
+        if unkept:  # recomputing what the first-order forward kept needs more: read what it kept
+            full, cotangent_outputs, residuals = self._second_order_reading(reading, as_eager=False)
+            unkept = self._unkept(full, residuals, reading)
+        if unkept:
             raise RematError(
                 f"remat({self.region}): this second-order gradient (a backward of a backward) needs "
-                f"{', '.join(f'`{m}`' for m in missing + inner)}, which the first-order backward did "
+                f"{', '.join(unkept)}, which the first-order backward did "
                 "not need, so remat did not keep it. Nest torch.func transforms instead "
                 "(grad(grad(...)), jacrev(jacrev(...)), hessian): remat sees the nesting when it traces "
                 "and keeps what second order needs; or use a policy that keeps more for this region."
             )
+        full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
         order = [
             self.part.saved_inputs.index(i) if i in self.part.saved_inputs
             else self.n_first_order_kept + self.extra_inputs.index(i)
