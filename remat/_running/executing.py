@@ -59,7 +59,7 @@ class Plan:
     float_outputs: list[int]  # outputs that receive cotangents
     region: str
     # higher-order backwards, by which outputs they read as the caller's own tensors (see `higher_order`)
-    _higher_orders: dict[frozenset[int], tuple[Partition, list[int], list[int]]] = field(
+    _higher_orders: dict[tuple[frozenset[int], tuple[int, ...]], tuple[Partition, list[int], list[int]]] = field(
         default_factory=dict, repr=False
     )
     # graphs (by id) whose layouts were checked on a first run, each with what runs it next
@@ -228,13 +228,27 @@ class Plan:
         )
         return full, cotangent_outputs, residuals
 
-    def _unkept(self, full: Partition, residuals: list[int], reading: frozenset[int]) -> list[str]:
-        """What the higher-order backward `full` reads that the first-order forward did not keep."""
+    def _unkept(
+        self, full: Partition, residuals: list[int], reading: frozenset[int], held: tuple[int, ...]
+    ) -> list[str]:
+        """What the higher-order backward `full` reads that the first-order forward did not
+        keep and is not `held`."""
         full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
-        kept_inputs = self.part.saved_inputs + self.extra_inputs
+        kept_inputs = self.part.saved_inputs + self.extra_inputs + list(held)
         missing = [f"`{self.stage_one.input_paths[i]}`" for i in full.saved_inputs if i not in kept_inputs]
         inner = [f"`output {j}`" for j in full_residuals if j not in residuals and j not in reading]
         return missing + inner + [f"`random op {k}`" for k in full.replayed if k not in self.part.replayed]
+
+    @functools.cached_property
+    def unkept_inputs(self) -> list[int]:
+        """Inputs first order does not keep, outside torch.func (which keeps what nesting
+        needs): held weakly, so that a double backward can recompute from those still
+        alive and unchanged (module parameters, the caller's tensors) instead of reading a
+        kept value (see `_second_order_reading`)."""
+        if self.builds_graph:
+            return []
+        kept = {*self.part.saved_inputs, *self.extra_inputs, *self.stage_one.mutated}
+        return [i for i in range(len(self.stage_one.input_values)) if i not in kept]
 
     def keep_inputs_for_second_order(self) -> None:
         """Called when the plan is traced under nested gradients (torch.func.grad of grad,
@@ -256,20 +270,26 @@ class Plan:
     def n_first_order_kept(self) -> int:
         return len(self.part.saved_inputs) + len(self.part.residual_outputs)
 
-    def higher_order(self, reading: frozenset[int] = frozenset()) -> tuple[Partition, list[int], list[int]]:
+    def higher_order(
+        self, reading: frozenset[int] = frozenset(), held: tuple[int, ...] = ()
+    ) -> tuple[Partition, list[int], list[int]]:
         """A backward that also takes cotangents for the kept values; where each of its kept
         inputs sits among the Function's saved tensors followed by the outputs in `reading`
-        (in order); its cotangent outputs (built once per `reading`, lazily).
+        (in order) and the `held` inputs (in order); its cotangent outputs (built once per
+        `reading` and `held`, lazily).
 
         `reading`: outputs whose values the backward reads as the caller's own tensors, not
-        recomputed, as eager autograd reads an op's saved output (see `outputs_to_read`)."""
+        recomputed, as eager autograd reads an op's saved output (see `outputs_to_read`).
+        `held`: inputs first order did not keep that are still at hand (`held_inputs`)."""
         with TRACE_LOCK, dispatch_modes_off():  # traces (make_fx keeps process-wide state): one at a time in the process
-            built = self._higher_orders.get(reading)
+            built = self._higher_orders.get((reading, held))
             if built is None:
-                built = self._higher_orders[reading] = self._build_higher_order(reading)
+                built = self._higher_orders[(reading, held)] = self._build_higher_order(reading, held)
         return built
 
-    def _build_higher_order(self, reading: frozenset[int]) -> tuple[Partition, list[int], list[int]]:
+    def _build_higher_order(
+        self, reading: frozenset[int], held: tuple[int, ...]
+    ) -> tuple[Partition, list[int], list[int]]:
         if self.stage_one.units:
             names = ", ".join(f"`{unit.function.__qualname__}`" for unit in self.stage_one.units.values())
             raise RematError(
@@ -279,10 +299,10 @@ class Plan:
                 "function, or apply remat to code without the Function."
             )
         full, cotangent_outputs, residuals = self._second_order_reading(reading)
-        unkept = self._unkept(full, residuals, reading)
+        unkept = self._unkept(full, residuals, reading, held)
         if unkept:  # recomputing what the first-order forward kept needs more: read what it kept
             full, cotangent_outputs, residuals = self._second_order_reading(reading, as_eager=False)
-            unkept = self._unkept(full, residuals, reading)
+            unkept = self._unkept(full, residuals, reading, held)
         if unkept:
             raise RematError(
                 f"remat({self.region}): this second-order gradient (a backward of a backward) needs "
@@ -292,14 +312,15 @@ class Plan:
                 "and keeps what second order needs; or use a policy that keeps more for this region."
             )
         full_residuals = full.residual_outputs[: len(full.residual_outputs) - len(full.replayed)]
+        read_at = self.n_first_order_kept + len(self.extra_inputs)  # the outputs read come after every saved tensor
+        read = sorted(reading)
         order = [
             self.part.saved_inputs.index(i) if i in self.part.saved_inputs
-            else self.n_first_order_kept + self.extra_inputs.index(i)
+            else self.n_first_order_kept + self.extra_inputs.index(i) if i in self.extra_inputs
+            else read_at + len(read) + held.index(i)
             for i in full.saved_inputs
         ]
         offset = len(self.part.saved_inputs)
-        read_at = self.n_first_order_kept + len(self.extra_inputs)  # the outputs read come after every saved tensor
-        read = sorted(reading)
         order += [offset + residuals.index(j) if j in residuals else read_at + read.index(j) for j in full_residuals]
         order += [offset + len(residuals) + self.part.replayed.index(k) for k in full.replayed]
         return full, order, cotangent_outputs
@@ -437,6 +458,8 @@ class RematFunction(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         if not plan.builds_graph:  # weakly: what a backward that builds a graph reads of them (`outputs_to_read`)
             ctx.outputs = [(j, weakref.ref(output[j]), output[j]._version) for j in plan.float_outputs]
+            if plan.unkept_inputs:  # and the inputs it may recompute from (`held_inputs`)
+                ctx.inputs = [(i, weakref.ref(args[i]), args[i]._version) for i in plan.unkept_inputs]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -455,8 +478,10 @@ class RematFunction(torch.autograd.Function):
                     "support. Nest torch.func transforms instead (remat then keeps those values where they "
                     "are), or use a policy that keeps or recomputes them."
                 )
-            full, order, cotangent_outputs = plan.higher_order(frozenset(readable))
-            sources = (*kept, *_read_outputs(plan, readable, order, len(kept))) if readable else kept
+            held = held_inputs(ctx) if not plan.builds_graph else {}
+            full, order, cotangent_outputs = plan.higher_order(frozenset(readable), tuple(held))
+            read = _read_outputs(plan, readable, order, len(kept)) if readable else []
+            sources = (*kept, *read, *held.values()) if readable or held else kept
             backward, cotangents = plan.backward_for(full.backward, grads, cotangent_outputs, kept)
             input_grads = plan.run(backward, *[sources[k] for k in order], *cotangents)
             # one gradient per use, as in first order (`vjp_of_graph`), or one per input, all for its first use
@@ -498,6 +523,17 @@ def outputs_to_read(ctx: Any) -> dict[int, tuple[torch.Tensor | None, str | None
     return readable
 
 
+def held_inputs(ctx: Any) -> dict[int, torch.Tensor]:
+    """The inputs first order did not keep that are still alive and unchanged since the
+    region ran, by position (in order)."""
+    held: dict[int, torch.Tensor] = {}
+    for i, ref, version in getattr(ctx, "inputs", ()):
+        tensor = ref()
+        if tensor is not None and tensor._version == version:
+            held[i] = tensor
+    return held
+
+
 def _read_outputs(
     plan: Plan, readable: dict[int, tuple[torch.Tensor | None, str | None]], order: Sequence[int], n_kept: int
 ) -> list[torch.Tensor | None]:
@@ -505,7 +541,7 @@ def _read_outputs(
     one it reads but cannot have raises, naming why."""
     reading = sorted(readable)
     for k in order:
-        if k < n_kept:
+        if not n_kept <= k < n_kept + len(reading):  # a saved tensor, or a held input after the outputs read
             continue
         j = reading[k - n_kept]
         why = readable[j][1]
