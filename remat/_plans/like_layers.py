@@ -26,7 +26,7 @@ import torch
 from .._core.torch_internals import nested_gradients, transforms_active
 from .._running.executing import Plan
 from .._trace.arguments import Call
-from .._trace.attribute_reads import AttributeReads, FormsByModule, by_module, hold_forms, tree_places
+from .._trace.attribute_reads import AttributeReads, ChecksByModule, form_checks, hold_forms, tree_places
 
 _MAX_KEYS = 256  # kinds of layer remembered; the least recently used goes first
 _MAX_PER_KEY = 8  # plans per kind: layers of one class that read different values
@@ -37,7 +37,7 @@ class _Like:
     """A traced region's plan and the values its trace read, by place."""
 
     plan: weakref.ref[Plan]
-    forms: FormsByModule  # by module, as `hold_forms` checks them
+    checks: ChecksByModule  # of the forms, by module, as `hold_forms` runs them
     kept: list[Any]  # the objects its forms name by identity, alive while it is
     hook_places: list[str | weakref.ref[torch.nn.Module]]  # each hooked module: its path, or itself if outside
 
@@ -97,7 +97,7 @@ def offer(key: tuple[Any, ...], root: torch.nn.Module, plan: Any) -> None:
         place = places.get(id(module))
         hook_places.append(place[1] if place is not None and place[0] == "module" else ref)
     likes = [like for like in _LIKE.pop(key, []) if like.plan() is not None][-(_MAX_PER_KEY - 1) :]
-    likes.append(_Like(weakref.ref(plan), by_module(reads.forms), list(reads.kept), hook_places))
+    likes.append(_Like(weakref.ref(plan), form_checks(reads.forms), list(reads.kept), hook_places))
     _LIKE[key] = likes
     while len(_LIKE) > _MAX_KEYS:
         _LIKE.popitem(last=False)
@@ -114,7 +114,7 @@ def like_plan(key: tuple[Any, ...], root: torch.nn.Module, region: str) -> Plan 
         plan = like.plan()
         if plan is None:
             continue
-        if hold_forms(like.forms, modules, places):
+        if hold_forms(like.checks, modules, places):
             return _for_module(plan, like, modules, region)
     return None
 

@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -89,28 +89,79 @@ def _form_in(instance: dict[str, Any], name: str, places: dict[int, tuple[str, s
     return value_form(instance[name], places, kept) if name in instance else ABSENT
 
 
-FormsByModule = tuple[tuple[str, tuple[tuple[str, Any], ...]], ...]
+Places = dict[int, tuple[str, str]]
+FormCheck = Callable[[Any, Places, list[Any]], bool]
+# by module path: the attributes that must be absent, and each present one with its check
+ChecksByModule = tuple[tuple[str, frozenset[str], tuple[tuple[str, FormCheck], ...]], ...]
 
 
-def by_module(forms: dict[tuple[str, str], Any]) -> FormsByModule:
-    """`forms` grouped by module path: (path, ((attribute, form), ...)), for `hold_forms`."""
-    grouped: dict[str, list[tuple[str, Any]]] = {}
+def form_checks(forms: dict[tuple[str, str], Any]) -> ChecksByModule:
+    """`forms` grouped by module path, each form made a check (`form_check`), for `hold_forms`."""
+    absent: dict[str, list[str]] = {}
+    present: dict[str, list[tuple[str, FormCheck]]] = {}
     for (path, name), form in forms.items():
-        grouped.setdefault(path, []).append((name, form))
-    return tuple((path, tuple(reads)) for path, reads in grouped.items())
+        absent.setdefault(path, [])
+        present.setdefault(path, [])
+        if form == ABSENT:
+            absent[path].append(name)
+        else:
+            present[path].append((name, form_check(form)))
+    return tuple((path, frozenset(absent[path]), tuple(present[path])) for path in absent)
 
 
-def hold_forms(forms: FormsByModule, modules: dict[str, torch.nn.Module], places: dict[int, tuple[str, str]]) -> bool:
-    """Whether the modules hold, at every place, what has that form now: `form_now` of each
-    read equal to its form, each module's instance dictionary read once."""
+def form_check(form: Any, depth: int = 0) -> FormCheck:
+    """A function telling whether a value has `form`, i.e. `value_form(value, ...) == form`:
+    the common forms (atoms, the region's modules and tensors, empty tables, containers of
+    those) compared directly, without making the value's form; any other by `value_form`."""
+    kind = form[0] if type(form) is tuple and len(form) == 2 else None
+    if kind in _EXACT_ATOMS:
+        atom = form[1]
+        return lambda value, places, kept: type(value) is kind and value == atom  # type: ignore[no-any-return]
+    if kind == "module" or kind == "tensor":
+        return lambda value, places, kept: places.get(id(value)) == form
+    if kind in _EMPTY_FORMS and form == _EMPTY_FORMS[kind]:
+        return lambda value, places, kept: type(value) is kind and not value
+    if kind is float:
+        text = form[1]
+        return lambda value, places, kept: isinstance(value, float) and repr(value) == text
+    if kind == "object":  # the same object (kept alive, so its id is not reused) in the same category
+        same = form[1]
+        return lambda value, places, kept: (
+            id(value) == same and same not in places and not (type(value) in _EMPTY_FORMS and not value)
+        )
+    deeper = depth + 1
+    if deeper <= _MAX_DEPTH and (kind is list or kind is tuple):
+        items = tuple(form_check(item, deeper) for item in form[1])
+        return lambda value, places, kept: (
+            type(value) is kind and len(value) == len(items)
+            and all(check(item, places, kept) for check, item in zip(items, value, strict=True))
+        )
+    if deeper <= _MAX_DEPTH and (kind is dict or kind is collections.OrderedDict):
+        pairs = tuple((form_check(k, deeper), form_check(v, deeper)) for k, v in form[1])
+        return lambda value, places, kept: (
+            type(value) is kind and len(value) == len(pairs)
+            and all(
+                check_key(k, places, kept) and check_value(v, places, kept)
+                for (check_key, check_value), (k, v) in zip(pairs, value.items(), strict=True)
+            )
+        )
+    return lambda value, places, kept: value_form(value, places, kept, depth) == form
+
+
+def hold_forms(checks: ChecksByModule, modules: dict[str, torch.nn.Module], places: Places) -> bool:
+    """Whether the modules hold, at every place, what has the form its check was made from
+    (`form_checks`), each module's instance dictionary read once."""
     kept: list[Any] = []
-    for path, reads in forms:
+    for path, absent, present in checks:
         module = modules.get(path)
         if module is None:
             return False
         instance = object.__getattribute__(module, "__dict__")
-        if any(_form_in(instance, name, places, kept) != form for name, form in reads):
+        if not instance.keys().isdisjoint(absent):
             return False
+        for name, check in present:
+            if name not in instance or not check(instance[name], places, kept):
+                return False
     return True
 
 

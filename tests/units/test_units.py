@@ -178,3 +178,36 @@ def test_the_invariant_check_finds_an_in_place_op() -> None:
     gm = make_fx(lambda x: x.clone().mul_(2), tracing_mode="fake")(torch.randn(3))
     with pytest.raises(AssertionError, match="not functional"):
         check_invariants(gm)
+
+
+def test_a_form_check_says_what_comparing_forms_says() -> None:
+    """`form_check(form)(value)` is `value_form(value) == form` for every pair of a set of
+    values read from modules: atoms, floats, the region's own modules and tensors, empty and
+    filled tables, nested containers, containers nested past the depth limit, and objects
+    (the same one, another one, one that became a place or an empty table)."""
+    from collections import OrderedDict
+
+    from remat._trace.attribute_reads import form_check, value_form
+
+    linear = torch.nn.Linear(2, 2)
+    places = {id(linear): ("module", "lin"), id(linear.weight): ("tensor", "lin.weight")}
+    shared, other, deep = object(), object(), [[[[[1]]]]]
+    values: list[Any] = [
+        True, 1, 0, "a", "b", None, torch.float32, torch.device("cpu"), 0.5, -0.0, 0.0, float("nan"),
+        linear, linear.weight, linear.bias, {}, [], (), OrderedDict(), {"a": 1}, OrderedDict(w=linear.weight),
+        OrderedDict(w=linear.bias), [1, (2, "x")], [1, (2, "y")], (linear,), deep, [[[[[2]]]]], shared, other, {1, 2},
+    ]
+    kept: list[Any] = []
+    forms = [value_form(v, places, kept) for v in values]
+    for form in forms:
+        check = form_check(form)
+        for value, value_form_now in zip(values, forms, strict=True):
+            assert check(value, places, kept) == (value_form_now == form), (form, value)
+    # the same object, later a place of the region, or emptied past the depth limit
+    check = form_check(value_form(shared, places, kept))
+    assert not check(shared, {**places, id(shared): ("module", "x")}, kept)
+    nested = [[[[[{"k": 1}]]]]]
+    inner = nested[0][0][0][0][0]
+    check = form_check(value_form(inner, places, kept, depth=4), depth=4)
+    inner.clear()
+    assert not check(inner, places, kept)
