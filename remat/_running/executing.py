@@ -223,7 +223,7 @@ class Plan:
         residuals = self.part.residual_outputs[: len(self.part.residual_outputs) - n_states]
         chosen = {outs[j] for j in [*residuals, *outputs]}
         full = partition(
-            joint, len(self.stage_one.input_values), n_values, chosen.__contains__, exact=True, second_order=as_eager,
+            joint, len(inputs), n_values, chosen.__contains__, exact=True, second_order=as_eager,
             read_as_is=[outs[j] for j in outputs],
         )
         return full, cotangent_outputs, residuals

@@ -97,16 +97,14 @@ ChecksByModule = tuple[tuple[str, frozenset[str], tuple[tuple[str, FormCheck], .
 
 def form_checks(forms: dict[tuple[str, str], Any]) -> ChecksByModule:
     """`forms` grouped by module path, each form made a check (`form_check`), for `hold_forms`."""
-    absent: dict[str, list[str]] = {}
-    present: dict[str, list[tuple[str, FormCheck]]] = {}
+    grouped: dict[str, tuple[list[str], list[tuple[str, FormCheck]]]] = {}
     for (path, name), form in forms.items():
-        absent.setdefault(path, [])
-        present.setdefault(path, [])
+        absent, present = grouped.setdefault(path, ([], []))
         if form == ABSENT:
-            absent[path].append(name)
+            absent.append(name)
         else:
-            present[path].append((name, form_check(form)))
-    return tuple((path, frozenset(absent[path]), tuple(present[path])) for path in absent)
+            present.append((name, form_check(form)))
+    return tuple((path, frozenset(absent), tuple(present)) for path, (absent, present) in grouped.items())
 
 
 def form_check(form: Any, depth: int = 0) -> FormCheck:
