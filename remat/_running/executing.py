@@ -42,7 +42,7 @@ from .._trace.passes import without_absent_cotangents
 from .._trace.records import InPlaceWrite, StageOne
 from .._trace.tracing import vjp_of_graph
 from .graph_code import direct_code
-from .layouts import run_checked
+from .layouts import broadcast_tangents, run_checked
 
 
 def _is_float(value: Any) -> bool:
@@ -67,6 +67,8 @@ class Plan:
     extra_inputs: list[int] = field(default_factory=list)  # inputs kept only for second-order gradients
     # backwards for calls where some outputs get no gradient, by (graph id, which cotangents are absent)
     _pruned: dict[tuple[int, frozenset[int]], torch.fx.GraphModule] = field(default_factory=dict, repr=False)
+    # per backward graph (by id), the cotangents a broadcast gradient enters as it is (`cotangent`)
+    _broadcast_as_is: dict[int, frozenset[int]] = field(default_factory=dict, repr=False)
     trace_seconds: float = 0.0  # what a plain trace of the function took (`_plans/templates` prices templates by it)
     builds_graph: bool = True  # its backward was traced as autograd runs one that builds a graph
     # per input in diff_inputs, how many gradients the backward gives it: one per use for an
@@ -150,15 +152,21 @@ class Plan:
         """The backward to run for these incoming gradients (of `outputs`, in order), and its
         cotangents: outputs that get no gradient contribute nothing, as in eager autograd
         (`passes.without_absent_cotangents`, built once per graph and pattern)."""
-        absent = frozenset(k for k, j in enumerate(outputs) if grads[j] is None)
-        if not absent:
-            return gm, [self.cotangent(grads, j, like) for j in outputs]
-        key = (id(gm), absent)
-        pruned = self._pruned.get(key)
-        if pruned is None:
-            cotangents = [n for n in gm.graph.nodes if n.op == "placeholder"][-len(outputs):]
-            pruned = self._pruned[key] = without_absent_cotangents(gm, cotangents, [cotangents[k] for k in absent])
-        return pruned, [None if k in absent else self.cotangent(grads, j, like) for k, j in enumerate(outputs)]
+        absent = [k for k, j in enumerate(outputs) if grads[j] is None]
+        if absent:
+            key = (id(gm), frozenset(absent))
+            pruned = self._pruned.get(key)
+            if pruned is None:
+                cotangents = [n for n in gm.graph.nodes if n.op == "placeholder"][-len(outputs):]
+                pruned = self._pruned[key] = without_absent_cotangents(gm, cotangents, [cotangents[k] for k in absent])
+            gm = pruned
+        as_is = self._broadcast_as_is.get(id(gm))
+        if as_is is None:  # (under torch.func, whose wrappers' strides say another thing, never)
+            as_is = frozenset() if self.builds_graph else broadcast_tangents(gm, len(outputs))
+            self._broadcast_as_is[id(gm)] = as_is
+        return gm, [
+            None if k in absent else self.cotangent(grads, j, like, k in as_is) for k, j in enumerate(outputs)
+        ]
 
     def plans(self) -> list[Plan]:
         return [self]
@@ -188,14 +196,20 @@ class Plan:
         }
         return [j for j in range(len(self._output_nodes)) if j not in diff]
 
-    def cotangent(self, grads: Sequence[torch.Tensor | None], position: int, like: Sequence[Any]) -> torch.Tensor:
+    def cotangent(
+        self, grads: Sequence[torch.Tensor | None], position: int, like: Sequence[Any], broadcast_as_is: bool = False
+    ) -> torch.Tensor:
         """The incoming gradient of one output, as the traced backward expects it.
 
         Backward graphs were traced with contiguous tangents (their view ops assume it);
         autograd may hand over expanded or transposed gradients, and None for unused ones.
+        A broadcast one (`.sum()`'s) enters as it is where the graph allows (`broadcast_as_is`,
+        `layouts.broadcast_tangents`), as it does eager's backward: no copy of its size.
         """
         grad = grads[position]
         if grad is not None:
+            if broadcast_as_is and not grad.is_contiguous() and not any(grad.stride()):
+                return grad
             return grad.contiguous()
         val = self.output_values[position]
         device = next((t.device for t in like if isinstance(t, torch.Tensor)), val.device)

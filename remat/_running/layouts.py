@@ -61,6 +61,52 @@ def _reader_of_memory_order(n: torch.fx.Node) -> torch.fx.Node | None:
     return None
 
 
+_MATMULS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.bmm.default})
+_POINTWISE_OR_REDUCTION = {torch.Tag.pointwise, torch.Tag.reduction}
+_aten = torch.ops.aten
+# views that keep a broadcast tensor broadcast (every stride 0) and never refuse one
+_SHAPE_VIEWS = frozenset({
+    _aten.t.default, _aten.transpose.int, _aten.permute.default, _aten.view.default, _aten.unsqueeze.default,
+    _aten.squeeze.dim, _aten.squeeze.dims, _aten.squeeze.default, _aten.expand.default, _aten.select.int,
+    _aten.slice.Tensor, _aten.alias.default,
+})
+
+
+def broadcast_tangents(gm: torch.fx.GraphModule, n_tangents: int) -> frozenset[int]:
+    """Which of a backward graph's last `n_tangents` placeholders (its cotangents) may take
+    a broadcast gradient (every stride 0, as `.sum()` gives) as it is, as eager's backward
+    takes it: a sum over it then adds in eager's order (over a contiguous copy the order
+    may differ, and so may the last bit), and no copy of its size is made. Each must reach
+    only matrix products, and pointwise ops and reductions whose other operands were
+    traced contiguous, all with results traced contiguous, through views of its shape,
+    never the graph's output: such a view of a broadcast tensor is broadcast, and these
+    ops lay out their results as traced, so every later value is laid out as traced."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tangents = placeholders[len(placeholders) - n_tangents:]
+    return frozenset(k for k, tangent in enumerate(tangents) if _settles_broadcast(tangent))
+
+
+def _settles_broadcast(node: torch.fx.Node) -> bool:
+    for user in node.users:
+        op = user.target
+        if user.op != "call_function" or not isinstance(op, OpOverload):
+            return False
+        if op in _SHAPE_VIEWS and user.args[0] is node:
+            if not _settles_broadcast(user):
+                return False
+            continue
+        if not (op in _MATMULS or _POINTWISE_OR_REDUCTION & set(op.tags)) or not _traced_contiguous(user):
+            return False
+        if op not in _MATMULS and not all(_traced_contiguous(a) for a in user.all_input_nodes if a is not node):
+            return False
+    return True
+
+
+def _traced_contiguous(node: torch.fx.Node) -> bool:
+    traced = node.meta.get("val")
+    return isinstance(traced, torch.Tensor) and traced.layout == torch.strided and traced.is_contiguous()
+
+
 class _LayoutCheck:
     """Compares each value of a graph's run with the traced one (see the module docstring),
     called with each placeholder's and each call's node and value as the run makes them."""

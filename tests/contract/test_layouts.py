@@ -126,3 +126,73 @@ def test_cuda_attention_kernels_structure_on_the_meta_device(kernel: str, policy
     actual = torch.autograd.grad(remat(f, policy=policy)(q, k, v), (q, k, v))
     for a, e in zip(actual, expected):
         assert (a.shape, a.stride(), a.dtype) == (e.shape, e.stride(), e.dtype)
+
+
+def _conv_channels_last(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A pointwise op whose other operand is laid out channels-last."""
+    image = x.reshape(1, 17, 2, 4).contiguous(memory_format=torch.channels_last)
+    return torch.tanh(image) * x.reshape(1, 17, 2, 4) * w[0, :4]
+
+
+BROADCAST_REGIONS: dict[str, Any] = {
+    "tanh(x @ w)": lambda x, w: torch.tanh(x @ w),
+    "a biased linear": lambda x, w: torch.nn.functional.linear(x, w, w[0]),  # its bias gradient sums the gradient
+    "a bias added": lambda x, w: torch.sin(x) + w[0],
+    "transposed output": lambda x, w: (x @ w).t() * 2,
+    "as_strided": lambda x, w: torch.as_strided(x @ w, (8, 17), (1, 8)).exp(),
+    "an output viewing an input": lambda x, w: x.view(-1) * 1.0 + (x @ w).view(-1),
+}
+LOSSES: dict[str, Any] = {
+    "sum": torch.sum,
+    "scaled sum": lambda out: out.sum() * 0.1,  # (a mean's gradient arrives divided, contiguous)
+    "mean": torch.mean,
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.everything_saveable, P.dots_saveable], ids=str)
+@pytest.mark.parametrize("region", list(BROADCAST_REGIONS))
+def test_a_broadcast_gradient_enters_the_backward_as_eager_s_does(region: str, policy: Any, loss: str) -> None:
+    """`.sum()` hands the region's backward a broadcast gradient (every stride 0); eager's
+    backward sums it in its own order (a bias gradient), which a contiguous copy would
+    change in the last bit. Where the backward graph allows, it enters as it is, as in
+    eager; elsewhere it is made contiguous. Either way every gradient is bitwise eager's."""
+    f = BROADCAST_REGIONS[region]
+    torch.manual_seed(0)
+    x, w = torch.randn(17, 8), torch.randn(8, 8)
+
+    def grads(fn: Any) -> Any:
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        out = fn(*leaves)
+        LOSSES[loss](out).backward()
+        return out.detach(), [t.grad for t in leaves]
+
+    region_fn = remat(f, policy=policy)
+    expected = grads(f)
+    for _ in range(3):  # the first run checks layouts, later ones run the plain graphs
+        out, got = grads(region_fn)
+        assert torch.equal(out, expected[0])
+        assert all(torch.equal(a, b) for a, b in zip(got, expected[1], strict=True))
+
+
+def test_a_broadcast_gradient_into_an_op_over_another_layout_is_close_to_eager_s() -> None:
+    """The documented exception: eager's pointwise op over a broadcast gradient and a
+    channels-last operand lays its result out channels-last, and later sums add in that
+    order; the region's backward, traced for a contiguous gradient, runs on a contiguous
+    copy and adds in the contiguous order. Close, not bitwise; with a gradient that
+    arrives contiguous (a mean's) it is bitwise."""
+    torch.manual_seed(0)
+    x, w = torch.randn(17, 8), torch.randn(8, 8)
+
+    def grads(fn: Any, loss: Any) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        loss(fn(*leaves)).backward()
+        return [t.grad for t in leaves]
+
+    region_fn = remat(_conv_channels_last)
+    for loss, bitwise in ((LOSSES["mean"], True), (LOSSES["scaled sum"], False)):
+        got, expected = grads(region_fn, loss), grads(_conv_channels_last, loss)
+        if bitwise:
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        else:
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

@@ -211,3 +211,41 @@ def test_a_form_check_says_what_comparing_forms_says() -> None:
     check = form_check(value_form(inner, places, kept, depth=4), depth=4)
     inner.clear()
     assert not check(inner, places, kept)
+
+
+# backward-shaped functions of (a value, the incoming gradient), each with whether a
+# broadcast gradient may enter it as it is
+_BACKWARDS: dict[str, tuple[Any, bool]] = {
+    "pointwise, then a matrix product": (lambda y, g: torch.ops.aten.tanh_backward(g, y) @ y.t(), True),
+    "a transpose, then a matrix product": (lambda y, g: g.t() @ y, True),
+    "a view, then pointwise": (lambda y, g: g.view(12).sin() * y.reshape(12), True),
+    "pointwise with a transposed operand": (lambda y, g: g * y.t().contiguous().t(), False),
+    "as_strided": (lambda y, g: torch.as_strided(g, (3, 2), (1, 3)) * 2, False),
+    "the gradient returned": (lambda y, g: g, False),
+    "a reduction": (lambda y, g: g.sum(0) * y, True),
+    "a reduction, then pointwise with a transposed operand": (lambda y, g: g.sum(0, keepdim=True) * y.t().contiguous().t(), True),
+}
+
+
+def test_a_broadcast_gradient_enters_as_is_only_where_every_result_is_as_with_a_contiguous_one() -> None:
+    """`broadcast_tangents` against running each graph: where it lets a broadcast
+    gradient (every stride 0) in as it is, every result is laid out as with the gradient's
+    contiguous copy, with its values (a sum may round otherwise, as eager's does); every
+    graph it refuses here would lay a result out otherwise, raise (`as_strided` past the
+    broadcast tensor's one element) or return the gradient itself."""
+    from remat._running.layouts import broadcast_tangents
+
+    y = torch.randn(3, 4)
+    broadcast = torch.randn(()).expand(3, 4)
+    for name, (fn, allowed) in _BACKWARDS.items():
+        gm = make_fx(fn, tracing_mode="fake")(y, torch.randn(3, 4))
+        assert broadcast_tangents(gm, 1) == (frozenset({0}) if allowed else frozenset()), name
+        copied = gm(y, broadcast.contiguous())
+        try:
+            as_is = gm(y, broadcast)
+        except RuntimeError:  # as_strided past the broadcast tensor's one element
+            as_is = None
+        same = as_is is not None and as_is is not broadcast and as_is.stride() == copied.stride()
+        assert same == allowed, name
+        if allowed:
+            torch.testing.assert_close(as_is, copied)
