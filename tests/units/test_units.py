@@ -223,7 +223,9 @@ _BACKWARDS: dict[str, tuple[Any, bool]] = {
     "as_strided": (lambda y, g: torch.as_strided(g, (3, 2), (1, 3)) * 2, False),
     "the gradient returned": (lambda y, g: g, False),
     "a reduction": (lambda y, g: g.sum(0) * y, True),
-    "a reduction, then pointwise with a transposed operand": (lambda y, g: g.sum(0, keepdim=True) * y.t().contiguous().t(), True),
+    "a reduction, then pointwise with a transposed operand": (
+        lambda y, g: g.sum(0, keepdim=True) * y.t().contiguous().t(), True
+    ),
 }
 
 
