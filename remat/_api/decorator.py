@@ -36,7 +36,7 @@ from .._partition.compiling import (
     overriding_under_compile,
     selective_context,
 )
-from .._partition.partitioning import partition
+from .._partition.partitioning import Partition, partition
 from .._plans.caching import DEFAULT_CACHE_SIZE, MISSING, PlanCache, clear_cache, plan_cache
 from .._plans.like_layers import like_key, like_plan, note_reads, offer, region_module
 from .._plans.sharing import graph_signature, share_plan, shared_plan
@@ -438,19 +438,29 @@ class Rematerialized(Generic[_P, _R]):
             )  # under a torch.func transform no gradient is taken with respect to an output: it stays one node
         float_outputs = [j for j, differentiable in enumerate(stage_one.output_differentiable) if differentiable]
         builds_graph = transforms_active()  # torch.func differentiates a backward as a graph; .backward() does not
+        n_outputs = stage_one.n_outputs + len(stage_one.mutated)
+        decide = policy_decider(stage_one.scopes)
+        budget, nested, debug = budget_of(stage_one.scopes), nested_gradients(), self.debug
+
+        def split(joint: torch.fx.GraphModule) -> Partition:  # (a closure over no region: plans outlive them)
+            return partition(
+                joint, len(stage_one.input_values), n_outputs, decide, debug=debug, mutated=updated,
+                budget=budget, offload=not nested, rng_end=stage_one.rng_end, second_order=nested,
+            )
+
+        def relayout(strides: tuple[tuple[int, ...] | None, ...]) -> Partition:
+            """The same partition, of the joint traced with tangents of these strides."""
+            laid_out = differentiate(stage_one, diff_inputs, float_outputs, False, whole=whole, tangent_strides=strides)
+            return split(laid_out)
+
         if joint is None:
             joint = differentiate(stage_one, diff_inputs, float_outputs, create_graph=builds_graph, whole=whole)
         gradient_counts = [gradient_count(joint, i) for i in diff_inputs]
-        n_outputs = stage_one.n_outputs + len(stage_one.mutated)
-        decide = policy_decider(stage_one.scopes)
-        part = partition(
-            joint, len(stage_one.input_values), n_outputs, decide, debug=self.debug, mutated=updated,
-            budget=budget_of(stage_one.scopes), offload=not nested_gradients(), rng_end=stage_one.rng_end,
-            second_order=nested_gradients(),
-        )
+        part = split(joint)
         plan = Plan(
             stage_one=stage_one, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region,
             builds_graph=builds_graph, gradient_counts=gradient_counts,
+            relayout=relayout if not builds_graph and not debug and not part.offloaded else None,
         )
         if nested_gradients():
             plan.keep_inputs_for_second_order()

@@ -29,6 +29,7 @@ from .._core.torch_internals import (
     batched_at,
     batched_within,
     dispatch_modes_off,
+    fake_tensor_cache_bounded,
     has_batched_level,
     has_tensor_hooks,
     innermost_vmap,
@@ -69,6 +70,12 @@ class Plan:
     _pruned: dict[tuple[int, frozenset[int]], torch.fx.GraphModule] = field(default_factory=dict, repr=False)
     # per backward graph (by id), the cotangents a broadcast gradient enters as it is (`cotangent`)
     _broadcast_as_is: dict[int, frozenset[int]] = field(default_factory=dict, repr=False)
+    # the partition of the same joint with its tangents traced with given strides (`laid_out_backward`)
+    relayout: Callable[[tuple[tuple[int, ...] | None, ...]], Partition] | None = field(default=None, repr=False)
+    # backwards for gradients laid out otherwise than contiguous, by their strides (None: none fits)
+    _laid_out: dict[tuple[tuple[int, ...] | None, ...], torch.fx.GraphModule | None] = field(
+        default_factory=dict, repr=False
+    )
     trace_seconds: float = 0.0  # what a plain trace of the function took (`_plans/templates` prices templates by it)
     builds_graph: bool = True  # its backward was traced as autograd runs one that builds a graph
     # per input in diff_inputs, how many gradients the backward gives it: one per use for an
@@ -151,22 +158,55 @@ class Plan:
     ) -> tuple[torch.fx.GraphModule, list[torch.Tensor | None]]:
         """The backward to run for these incoming gradients (of `outputs`, in order), and its
         cotangents: outputs that get no gradient contribute nothing, as in eager autograd
-        (`passes.without_absent_cotangents`, built once per graph and pattern)."""
+        (`passes.without_absent_cotangents`, built once per graph and pattern). Gradients
+        laid out otherwise than the backward was traced for enter a backward traced for
+        their layout where one fits (`laid_out_backward`), else as `cotangent` makes them."""
         absent = [k for k, j in enumerate(outputs) if grads[j] is None]
-        if absent:
-            key = (id(gm), frozenset(absent))
-            pruned = self._pruned.get(key)
-            if pruned is None:
-                cotangents = [n for n in gm.graph.nodes if n.op == "placeholder"][-len(outputs):]
-                pruned = self._pruned[key] = without_absent_cotangents(gm, cotangents, [cotangents[k] for k in absent])
-            gm = pruned
-        as_is = self._broadcast_as_is.get(id(gm))
+        pruned = self._without(gm, absent, len(outputs)) if absent else gm
+        as_is = self._broadcast_as_is.get(id(pruned))
         if as_is is None:  # (under torch.func, whose wrappers' strides say another thing, never)
-            as_is = frozenset() if self.builds_graph else broadcast_tangents(gm, len(outputs))
-            self._broadcast_as_is[id(gm)] = as_is
-        return gm, [
+            as_is = frozenset() if self.builds_graph else broadcast_tangents(pruned, len(outputs))
+            self._broadcast_as_is[id(pruned)] = as_is
+        cotangents = [
             None if k in absent else self.cotangent(grads, j, like, k in as_is) for k, j in enumerate(outputs)
         ]
+        if self.relayout is not None and gm is self.part.backward:
+            for cotangent, j in zip(cotangents, outputs, strict=True):
+                if cotangent is not None and cotangent is not grads[j]:  # a copy: laid out otherwise
+                    given = [grads[j] for j in outputs]
+                    laid_out = self.laid_out_backward(tuple(
+                        None if g is None or g.is_contiguous() else tuple(g.stride()) for g in given
+                    ))
+                    if laid_out is not None:
+                        return self._without(laid_out, absent, len(outputs)) if absent else laid_out, given
+                    break
+        return pruned, cotangents
+
+    def _without(self, gm: torch.fx.GraphModule, absent: list[int], n_cotangents: int) -> torch.fx.GraphModule:
+        """`gm` without what the cotangents at positions `absent` feed (built once per pattern)."""
+        if not absent:
+            return gm
+        key = (id(gm), frozenset(absent))
+        pruned = self._pruned.get(key)
+        if pruned is None:
+            cotangents = [n for n in gm.graph.nodes if n.op == "placeholder"][-n_cotangents:]
+            pruned = self._pruned[key] = without_absent_cotangents(gm, cotangents, [cotangents[k] for k in absent])
+        return pruned
+
+    def laid_out_backward(self, strides: tuple[tuple[int, ...] | None, ...]) -> torch.fx.GraphModule | None:
+        """The first-order backward traced for gradients with these strides (None: contiguous),
+        as eager's derivatives run on them, so that its sums and products add in eager's
+        order; None where it would read other kept values than the forward kept (its
+        partition chose otherwise), or for the ninth layout and after (built once each)."""
+        with TRACE_LOCK, dispatch_modes_off(), fake_tensor_cache_bounded():  # one trace at a time in the process
+            if strides in self._laid_out or len(self._laid_out) >= _LAYOUTS or self.relayout is None:
+                return self._laid_out.get(strides)
+            part = self.relayout(strides)
+            same = (part.saved_inputs, part.residual_outputs, part.replayed, part.forward.code) == (
+                self.part.saved_inputs, self.part.residual_outputs, self.part.replayed, self.part.forward.code
+            )
+            built = self._laid_out[strides] = part.backward if same else None
+        return built
 
     def plans(self) -> list[Plan]:
         return [self]
@@ -338,6 +378,9 @@ class Plan:
         order += [offset + residuals.index(j) if j in residuals else read_at + read.index(j) for j in full_residuals]
         order += [offset + len(residuals) + self.part.replayed.index(k) for k in full.replayed]
         return full, order, cotangent_outputs
+
+
+_LAYOUTS = 8  # gradient layouts a plan traces a backward for; later ones are made contiguous
 
 
 def eager_under_transforms(stage_one: StageOne, inputs: Sequence[torch.Tensor]) -> bool:

@@ -357,9 +357,11 @@ def _fake_like(mode: Any, t: torch.Tensor) -> torch.Tensor:
     return fake_of_layout(mode, tuple(t.shape), stride, offset, t.dtype, t.device)
 
 
-def _fake_contiguous(mode: Any, t: torch.Tensor) -> torch.Tensor:
+def _fake_tangent(mode: Any, t: torch.Tensor, strides: tuple[int, ...] | None = None) -> torch.Tensor:
     with mode:
-        return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
+        if strides is None:
+            return torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device)
+        return torch.empty_strided(tuple(t.shape), strides, dtype=t.dtype, device=t.device)
 
 
 def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[..., bool] | None) -> StageOne:
@@ -752,6 +754,7 @@ def differentiate(
     create_graph: bool = True,
     by_use: bool = True,
     whole: frozenset[int] = frozenset(),
+    tangent_strides: Sequence[tuple[int, ...] | None] = (),
 ) -> torch.fx.GraphModule:
     """Stage 2: one graph computing the outputs and the vjp w.r.t. `diff_inputs`.
 
@@ -768,7 +771,9 @@ def differentiate(
     `whole`, which get one. Each split input's placeholder notes its number of
     gradients (`gradient_count`).
 
-    Inputs: every stage-1 input, then one tangent per output in `float_outputs`.
+    Inputs: every stage-1 input, then one tangent per output in `float_outputs`, traced
+    contiguous, or with its `tangent_strides` where given (a gradient autograd hands over
+    laid out otherwise: derivatives then run on it as eager's do).
     Outputs: every stage-1 output, then the gradients of each input in `diff_inputs`.
     """
     g1 = stage_one.graph
@@ -799,8 +804,9 @@ def differentiate(
         examples = [_fake_like(mode, v) for v in stage_one.input_values]
         for i in diff_inputs:
             examples[i].requires_grad_(True)
-        # tangents are traced contiguous; Plan.cotangent makes the real ones so
-        examples += [_fake_contiguous(mode, out_values[i]) for i in float_outputs]
+        # tangents are traced contiguous (Plan.cotangent makes the real ones so) or as laid out
+        strides = list(tangent_strides) or [None] * len(float_outputs)
+        examples += [_fake_tangent(mode, out_values[i], s) for i, s in zip(float_outputs, strides, strict=True)]
         try:
             traced = _recorded_or_traced(joint, examples, mode, restart=functools.partial(_restart_joint, blame, uses))
         except Exception as error:  # a derivative that cannot run without data

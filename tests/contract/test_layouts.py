@@ -8,6 +8,7 @@ refuses, naming both ops, where it would."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -134,37 +135,43 @@ def _conv_channels_last(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.tanh(image) * x.reshape(1, 17, 2, 4) * w[0, :4]
 
 
-BROADCAST_REGIONS: dict[str, Any] = {
+LAID_OUT_REGIONS: dict[str, Any] = {
     "tanh(x @ w)": lambda x, w: torch.tanh(x @ w),
     "a biased linear": lambda x, w: torch.nn.functional.linear(x, w, w[0]),  # its bias gradient sums the gradient
     "a bias added": lambda x, w: torch.sin(x) + w[0],
     "transposed output": lambda x, w: (x @ w).t() * 2,
+    "a pointwise op over a transposed value": lambda x, w: torch.sin(x @ w) * (w @ x.t()).t(),
     "as_strided": lambda x, w: torch.as_strided(x @ w, (8, 17), (1, 8)).exp(),
+    "channels-last": _conv_channels_last,
     "an output viewing an input": lambda x, w: x.view(-1) * 1.0 + (x @ w).view(-1),
 }
-LOSSES: dict[str, Any] = {
-    "sum": torch.sum,
-    "scaled sum": lambda out: out.sum() * 0.1,  # (a mean's gradient arrives divided, contiguous)
-    "mean": torch.mean,
+# what the caller does with the region's output: the gradient each hands the region
+USES: dict[str, Any] = {
+    "sum": torch.sum,  # broadcast (every stride 0)
+    "scaled sum": lambda out: out.sum() * 0.1,  # broadcast, not ones: a sum over it rounds
+    "mean": torch.mean,  # divided: contiguous
+    "transposed": lambda out: (out.reshape(out.shape[0], -1).t() * torch.linspace(-1, 1, out.shape[0])).sum(),
+    "permuted by einsum": lambda out: torch.einsum("ij,ik->jk", *[out.reshape(out.shape[0], -1)] * 2).sum(),
 }
 
 
-@pytest.mark.parametrize("loss", list(LOSSES))
+@pytest.mark.parametrize("use", list(USES))
 @pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.everything_saveable, P.dots_saveable], ids=str)
-@pytest.mark.parametrize("region", list(BROADCAST_REGIONS))
-def test_a_broadcast_gradient_enters_the_backward_as_eager_s_does(region: str, policy: Any, loss: str) -> None:
-    """`.sum()` hands the region's backward a broadcast gradient (every stride 0); eager's
-    backward sums it in its own order (a bias gradient), which a contiguous copy would
-    change in the last bit. Where the backward graph allows, it enters as it is, as in
-    eager; elsewhere it is made contiguous. Either way every gradient is bitwise eager's."""
-    f = BROADCAST_REGIONS[region]
+@pytest.mark.parametrize("region", list(LAID_OUT_REGIONS))
+def test_a_gradient_laid_out_otherwise_runs_the_backward_eager_runs(region: str, policy: Any, use: str) -> None:
+    """Autograd hands a region's backward the gradient laid out as the caller's code made
+    it: broadcast by `.sum()`, transposed, permuted. Eager's derivatives run on it as it
+    is, and their sums and products add in the order that layout gives; remat runs a
+    backward traced for that layout (or, where the graph allows, the one it has, a
+    broadcast gradient entering as it is). Every gradient is bitwise eager's."""
+    f = LAID_OUT_REGIONS[region]
     torch.manual_seed(0)
     x, w = torch.randn(17, 8), torch.randn(8, 8)
 
     def grads(fn: Any) -> Any:
         leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
         out = fn(*leaves)
-        LOSSES[loss](out).backward()
+        USES[use](out).backward()
         return out.detach(), [t.grad for t in leaves]
 
     region_fn = remat(f, policy=policy)
@@ -175,24 +182,29 @@ def test_a_broadcast_gradient_enters_the_backward_as_eager_s_does(region: str, p
         assert all(torch.equal(a, b) for a, b in zip(got, expected[1], strict=True))
 
 
-def test_a_broadcast_gradient_into_an_op_over_another_layout_is_close_to_eager_s() -> None:
-    """The documented exception: eager's pointwise op over a broadcast gradient and a
-    channels-last operand lays its result out channels-last, and later sums add in that
-    order; the region's backward, traced for a contiguous gradient, runs on a contiguous
-    copy and adds in the contiguous order. Close, not bitwise; with a gradient that
-    arrives contiguous (a mean's) it is bitwise."""
+def test_past_eight_gradient_layouts_a_plan_makes_gradients_contiguous_and_stays_right() -> None:
+    """A plan traces a backward for each of its first eight gradient layouts; later ones
+    run the contiguous backward on a contiguous copy (close to eager's, not bitwise: the
+    scale's gradient sums in another order)."""
+    def f(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * scale)
+
+    region_fn = remat(f)
     torch.manual_seed(0)
-    x, w = torch.randn(17, 8), torch.randn(8, 8)
+    x, scale = torch.randn(2, 3, 4, 5), torch.randn(5)
+    permutations = [p for p in itertools.permutations(range(4)) if p != (0, 1, 2, 3)][:12]
+    for k, order in enumerate(permutations):
+        weights = torch.linspace(-1, 1, 120).reshape([(2, 3, 4, 5)[d] for d in order])
 
-    def grads(fn: Any, loss: Any) -> list[torch.Tensor]:
-        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
-        loss(fn(*leaves)).backward()
-        return [t.grad for t in leaves]
+        def grads(fn: Any, order: tuple[int, ...] = order, weights: torch.Tensor = weights) -> list[torch.Tensor]:
+            leaves = [x.clone().requires_grad_(), scale.clone().requires_grad_()]
+            (fn(*leaves).permute(*order) * weights).sum().backward()  # the gradient arrives permuted back
+            return [t.grad for t in leaves]
 
-    region_fn = remat(_conv_channels_last)
-    for loss, bitwise in ((LOSSES["mean"], True), (LOSSES["scaled sum"], False)):
-        got, expected = grads(region_fn, loss), grads(_conv_channels_last, loss)
-        if bitwise:
-            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+        got, expected = grads(region_fn), grads(f)
+        if k < 8:
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True)), order
         else:
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    (plan,) = region_fn._plans.plans.values()
+    assert len(plan._laid_out) == 8 and all(g is not None for g in plan._laid_out.values())
