@@ -19,6 +19,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._core.errors import RematError
+from .._core.logs import logger
 from .._core.locking import TRACE_LOCK
 from .._core.nodes import DIFFERENTIABLE_KEY, is_random
 from .._core.torch_internals import (
@@ -174,6 +175,8 @@ class Plan:
             for cotangent, j in zip(cotangents, outputs, strict=True):
                 if cotangent is not None and cotangent is not grads[j]:  # a copy: laid out otherwise
                     given = [grads[j] for j in outputs]
+                    if any(g is not None and g.storage_offset() for g in given):
+                        break  # (traced at offset 0, the layout of a copy)
                     laid_out = self.laid_out_backward(tuple(
                         None if g is None or g.is_contiguous() else tuple(g.stride()) for g in given
                     ))
@@ -197,15 +200,25 @@ class Plan:
         """The first-order backward traced for gradients with these strides (None: contiguous),
         as eager's derivatives run on them, so that its sums and products add in eager's
         order; None where it would read other kept values than the forward kept (its
-        partition chose otherwise), or for the ninth layout and after (built once each)."""
+        partition chose otherwise), where tracing it fails (a derivative reading memory a
+        broadcast gradient does not have), or for the ninth layout and after (built once each)."""
+        built = self._laid_out.get(strides, _UNBUILT)
+        if built is not _UNBUILT:
+            return built  # type: ignore[return-value]
         with TRACE_LOCK, dispatch_modes_off(), fake_tensor_cache_bounded():  # one trace at a time in the process
             if strides in self._laid_out or len(self._laid_out) >= _LAYOUTS or self.relayout is None:
                 return self._laid_out.get(strides)
-            part = self.relayout(strides)
-            same = (part.saved_inputs, part.residual_outputs, part.replayed, part.forward.code) == (
-                self.part.saved_inputs, self.part.residual_outputs, self.part.replayed, self.part.forward.code
-            )
-            built = self._laid_out[strides] = part.backward if same else None
+            try:
+                part = self.relayout(strides)
+            except Exception as error:  # the contiguous backward serves, as it does past the eighth layout
+                logger.debug("remat(%s): no backward for gradients with strides %s: %s", self.region, strides, error)
+                built = None
+            else:
+                same = (part.saved_inputs, part.residual_outputs, part.replayed, part.forward.code) == (
+                    self.part.saved_inputs, self.part.residual_outputs, self.part.replayed, self.part.forward.code
+                )
+                built = part.backward if same else None
+            self._laid_out[strides] = built
         return built
 
     def plans(self) -> list[Plan]:
@@ -381,6 +394,7 @@ class Plan:
 
 
 _LAYOUTS = 8  # gradient layouts a plan traces a backward for; later ones are made contiguous
+_UNBUILT = object()
 
 
 def eager_under_transforms(stage_one: StageOne, inputs: Sequence[torch.Tensor]) -> bool:

@@ -208,3 +208,44 @@ def test_past_eight_gradient_layouts_a_plan_makes_gradients_contiguous_and_stays
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     (plan,) = region_fn._plans.plans.values()
     assert len(plan._laid_out) == 8 and all(g is not None for g in plan._laid_out.values())
+
+
+@torch.library.custom_op("remat_layout_tests::doubled_gradient", mutates_args=())
+def doubled_gradient(g: torch.Tensor) -> torch.Tensor:
+    return g * 2
+
+
+@doubled_gradient.register_fake
+def _(g: torch.Tensor) -> torch.Tensor:
+    if not g.is_contiguous():  # a fake that cannot describe other layouts, as some kernels' cannot
+        raise RuntimeError("doubled_gradient: contiguous gradients only")
+    return torch.empty_like(g)
+
+
+@torch.library.custom_op("remat_layout_tests::doubled", mutates_args=())
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+doubled.register_fake(lambda x: torch.empty_like(x))
+doubled.register_autograd(lambda ctx, g: doubled_gradient(g))
+
+
+def test_a_backward_that_cannot_be_traced_for_a_gradient_s_layout_runs_on_a_contiguous_copy() -> None:
+    """Tracing the backward for a transposed gradient fails (a fake that only knows
+    contiguous tensors): the backward traced for a contiguous one runs on a copy, as it
+    does past the eighth layout, and the gradient is still eager's."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return doubled(torch.sin(x))
+
+    def grad(fn: Any) -> torch.Tensor:
+        leaf = x.clone().requires_grad_()
+        (fn(leaf).t() * torch.linspace(0, 1, 5, dtype=D)).sum().backward()  # the gradient arrives transposed
+        return leaf.grad
+
+    region_fn = remat(f)
+    x = torch.randn(5, 3, dtype=D)
+    for _ in range(2):
+        assert_close(grad(region_fn), grad(f))
+    (plan,) = region_fn._plans.plans.values()
+    assert list(plan._laid_out.values()) == [None]

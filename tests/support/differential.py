@@ -56,6 +56,16 @@ AUTOCAST = 'torch.autocast("cpu", dtype=torch.bfloat16)'  # over float32 inputs
 # training code writes it), inside the region, or around the whole transform (its
 # backward too).
 AUTOCAST_AT = ("main", "body", "call")
+# How `.backward()`'s loss reads the region's output, so how the gradient the region's
+# backward gets is laid out (eager's derivatives run on it as it is): `(out * cot).sum()`
+# gives a contiguous one; `(out.mT * cot.mT.contiguous()).sum()` the same values
+# transposed; `(out.sum() * 0.3)` a broadcast one (every stride 0). Drawn from a stream of
+# its own, so that adding it changed no program's other draws.
+GRADIENT_LAYOUTS = {
+    "contiguous": "(out * cot).sum()",
+    "transposed": "(out.mT * cot.mT.contiguous()).sum()",
+    "broadcast": "(out.sum() * 0.3)",
+}
 # vmap's randomness: "same" with a batched input to a functional random op raises without
 # remat too (both raise); an in-place fill of a batched tensor draws one row for all.
 RANDOMNESS = ("different", "same")
@@ -403,6 +413,7 @@ class _Builder:
         self.precision = "float64" if "precision" in self.off else self.drawn_precision  # shrink turns it off
         self.autocast_at = rng.choice(AUTOCAST_AT)
         self.randomness = rng.choice(RANDOMNESS)
+        self.gradient_layout = random.Random(f"gradient layout {self.seed}").choice(list(GRADIENT_LAYOUTS))
 
         # What each transform differentiates (always x), and which inputs vmap batches.
         self.argnums = (0,) + tuple(i for i in (1, 2) if rng.random() < 0.5)
@@ -815,7 +826,7 @@ class _Builder:
                 "def backward():",
                 f"    args = [t.clone().requires_grad_(r) for t, r in zip((x, y, w), ({flags}))]",
                 "    out, whole = main(*args)",
-                "    (out * cot).sum().backward()",
+                f"    {GRADIENT_LAYOUTS[self.gradient_layout]}.backward()  # a gradient laid out {self.gradient_layout}",
                 "    grads = [t.grad for t in args + params]",
                 "    for p in params:",
                 "        p.grad = None",
