@@ -19,8 +19,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._core.errors import RematError
-from .._core.logs import logger
 from .._core.locking import TRACE_LOCK
+from .._core.logs import logger
 from .._core.nodes import DIFFERENTIABLE_KEY, is_random
 from .._core.torch_internals import (
     active_vmaps,

@@ -826,7 +826,7 @@ class _Builder:
                 "def backward():",
                 f"    args = [t.clone().requires_grad_(r) for t, r in zip((x, y, w), ({flags}))]",
                 "    out, whole = main(*args)",
-                f"    {GRADIENT_LAYOUTS[self.gradient_layout]}.backward()  # a gradient laid out {self.gradient_layout}",
+                f"    {GRADIENT_LAYOUTS[self.gradient_layout]}.backward()  # the gradient: {self.gradient_layout}",
                 "    grads = [t.grad for t in args + params]",
                 "    for p in params:",
                 "        p.grad = None",
