@@ -165,8 +165,8 @@ class Plan:
         absent = [k for k, j in enumerate(outputs) if grads[j] is None]
         pruned = self._without(gm, absent, len(outputs)) if absent else gm
         as_is = self._broadcast_as_is.get(id(pruned))
-        if as_is is None:  # (under torch.func, whose wrappers' strides say another thing, never)
-            as_is = frozenset() if self.builds_graph else broadcast_tangents(pruned, len(outputs))
+        if as_is is None:
+            as_is = broadcast_tangents(pruned, len(outputs))
             self._broadcast_as_is[id(pruned)] = as_is
         cotangents = [
             None if k in absent else self.cotangent(grads, j, like, k in as_is) for k, j in enumerate(outputs)

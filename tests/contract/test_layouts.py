@@ -182,6 +182,27 @@ def test_a_gradient_laid_out_otherwise_runs_the_backward_eager_runs(region: str,
         assert all(torch.equal(a, b) for a, b in zip(got, expected[1], strict=True))
 
 
+@pytest.mark.parametrize("use", ["sum", "scaled sum"])
+@pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.dots_saveable], ids=str)
+@pytest.mark.parametrize("region", ["tanh(x @ w)", "a biased linear", "a bias added"])
+def test_under_torch_func_grad_a_broadcast_gradient_enters_the_backward_as_eager_s_does(
+    region: str, policy: Any, use: str
+) -> None:
+    """`torch.func.grad` of a sum hands the region the same broadcast gradient: where the
+    backward allows, it enters as it is there too, and the bias's gradient sums in eager's order."""
+    f = LAID_OUT_REGIONS[region]
+    torch.manual_seed(0)
+    x, w = torch.randn(17, 8), torch.randn(8, 8)
+
+    def grads(fn: Any) -> Any:
+        return torch.func.grad(lambda *a: USES[use](fn(*a)), argnums=(0, 1))(x, w)
+
+    region_fn = remat(f, policy=policy)
+    expected = grads(f)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(grads(region_fn), expected, strict=True))
+
+
 def test_past_eight_gradient_layouts_a_plan_makes_gradients_contiguous_and_stays_right() -> None:
     """A plan traces a backward for each of its first eight gradient layouts; later ones
     run the contiguous backward on a contiguous copy (close to eager's, not bitwise: the
