@@ -450,7 +450,9 @@ class Rematerialized(Generic[_P, _R]):
 
         def relayout(strides: tuple[tuple[int, ...] | None, ...]) -> Partition:
             """The same partition, of the joint traced with tangents of these strides."""
-            laid_out = differentiate(stage_one, diff_inputs, float_outputs, False, whole=whole, tangent_strides=strides)
+            laid_out = differentiate(
+                stage_one, diff_inputs, float_outputs, builds_graph, whole=whole, tangent_strides=strides
+            )
             return split(laid_out)
 
         if joint is None:
@@ -460,7 +462,7 @@ class Rematerialized(Generic[_P, _R]):
         plan = Plan(
             stage_one=stage_one, part=part, diff_inputs=diff_inputs, float_outputs=float_outputs, region=self.region,
             builds_graph=builds_graph, gradient_counts=gradient_counts,
-            relayout=relayout if not builds_graph and not debug and not part.offloaded else None,
+            relayout=relayout if not debug and not part.offloaded else None,
         )
         if nested_gradients():
             plan.keep_inputs_for_second_order()

@@ -182,16 +182,19 @@ def test_a_gradient_laid_out_otherwise_runs_the_backward_eager_runs(region: str,
         assert all(torch.equal(a, b) for a, b in zip(got, expected[1], strict=True))
 
 
-@pytest.mark.parametrize("transform", ["grad", "vmap(grad)"])
-@pytest.mark.parametrize("use", ["sum", "scaled sum"])
+@pytest.mark.parametrize("transform", ["grad", "vjp", "vmap(grad)"])
+@pytest.mark.parametrize("use", list(USES))
 @pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.dots_saveable], ids=str)
-@pytest.mark.parametrize("region", ["tanh(x @ w)", "a biased linear", "a bias added"])
-def test_under_torch_func_a_broadcast_gradient_enters_the_backward_as_eager_s_does(
+@pytest.mark.parametrize("region", list(LAID_OUT_REGIONS))
+def test_under_torch_func_a_gradient_laid_out_otherwise_runs_the_backward_eager_runs(
     region: str, policy: Any, use: str, transform: str
 ) -> None:
-    """`torch.func.grad` of a sum hands the region the same broadcast gradient: where the
-    backward allows, it enters as it is there too, and the bias's gradient sums in eager's
-    order; per example under vmap alike."""
+    """The same under torch.func: `grad` of the caller's loss, `vjp` pulling back the
+    cotangent that loss's backward gives (`torch.func.vjp` of the use, so laid out as
+    there), and per example under `vmap(grad)` (the backward traced for the layout each
+    example's gradient has)."""
+    if transform == "vmap(grad)" and region in ("as_strided", "channels-last"):
+        pytest.skip("no batching rule for as_strided_scatter, nor for a channels-last clone (eager raises too)")
     f = LAID_OUT_REGIONS[region]
     torch.manual_seed(0)
     x, w = torch.randn(17, 8), torch.randn(8, 8)
@@ -200,6 +203,10 @@ def test_under_torch_func_a_broadcast_gradient_enters_the_backward_as_eager_s_do
         grad = torch.func.grad(lambda *a: USES[use](fn(*a)), argnums=(0, 1))
         if transform == "grad":
             return grad(x, w)
+        if transform == "vjp":
+            out, pullback = torch.func.vjp(fn, x, w)
+            (cotangent,) = torch.func.vjp(USES[use], out)[1](torch.tensor(1.0))
+            return pullback(cotangent)
         return torch.func.vmap(grad, in_dims=(0, None))(x.expand(3, 17, 8) * torch.arange(1.0, 4.0)[:, None, None], w)
 
     region_fn = remat(f, policy=policy)
