@@ -56,11 +56,12 @@ AUTOCAST = 'torch.autocast("cpu", dtype=torch.bfloat16)'  # over float32 inputs
 # training code writes it), inside the region, or around the whole transform (its
 # backward too).
 AUTOCAST_AT = ("main", "body", "call")
-# How `.backward()`'s loss reads the region's output, so how the gradient the region's
-# backward gets is laid out (eager's derivatives run on it as it is): `(out * cot).sum()`
-# gives a contiguous one; `(out.mT * cot.mT.contiguous()).sum()` the same values
-# transposed; `(out.sum() * 0.3)` a broadcast one (every stride 0). Drawn from a stream of
-# its own, so that adding it changed no program's other draws.
+# How the loss that `.backward()` and torch.func's gradient transforms differentiate reads
+# the region's output, so how the gradient the region's backward gets is laid out (eager's
+# derivatives run on it as it is): `(out * cot).sum()` gives a contiguous one;
+# `(out.mT * cot.mT.contiguous()).sum()` the same values transposed; `(out.sum() * 0.3)` a
+# broadcast one (every stride 0). Drawn from a stream of its own, so that adding it
+# changed no program's other draws.
 GRADIENT_LAYOUTS = {
     "contiguous": "(out * cot).sum()",
     "transposed": "(out.mT * cot.mT.contiguous()).sum()",
@@ -786,7 +787,7 @@ class _Builder:
             "",
             "    def loss(x, y, w):",
             "        out, whole = main(x, y, w)",
-            "        return (out * cot).sum(), whole",
+            f"        return {GRADIENT_LAYOUTS[self.gradient_layout]}, whole  # the gradient: {self.gradient_layout}",
             "",
         ]
         for name in self.transforms:
