@@ -174,7 +174,9 @@ def _choose_kept(
     second_order: bool = False,
 ) -> _Kept:
     """Ask the policy (or fit the budget) and walk back from what backward needs; for a
-    backward that is differentiated again, keep only what no recomputed value leads to."""
+    backward that is differentiated again, keep the outputs it reads (their second-order
+    terms then meet at the forward's node, as eager's at its op's) and of the rest only
+    what no recomputed value leads to."""
     graph, input_set = joint.graph, joint.input_set
     needed = _needed_by_backward(joint)
     if exact:
@@ -183,6 +185,8 @@ def _choose_kept(
         allowed = _within_budget(graph, joint.forward, needed, input_set, decide, budget, must_keep)
     else:
         allowed = _allowed(graph, joint.forward, decide) | must_keep
+    if second_order and not exact:  # the outputs, as eager's derivatives read an op's saved result (no memory more)
+        allowed |= {o for o in joint.outs if isinstance(o, torch.fx.Node) and o in joint.forward}
     saved_inputs, residuals, recompute = _walk(needed, allowed, input_set, exact)
     while second_order and (downstream := _downstream_of_recompute(graph, residuals, recompute) - must_keep):
         allowed -= downstream | {producer(n) for n in downstream}

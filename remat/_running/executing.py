@@ -46,6 +46,10 @@ from .._trace.tracing import vjp_of_graph
 from .graph_code import direct_code
 from .layouts import broadcast_tangents, run_checked
 
+Strides = tuple[tuple[int, ...] | None, ...]  # per gradient, its strides, or None for a contiguous one (or none)
+HigherOrderKey = tuple[frozenset[int], tuple[int, ...], Strides]  # outputs read, inputs held, layouts
+HigherOrder = tuple[Partition, list[int], list[int]]  # the partition, where its inputs sit, its cotangent outputs
+
 
 def _is_float(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
@@ -60,10 +64,9 @@ class Plan:
     diff_inputs: list[int]  # inputs that get gradients
     float_outputs: list[int]  # outputs that receive cotangents
     region: str
-    # higher-order backwards, by which outputs they read as the caller's own tensors (see `higher_order`)
-    _higher_orders: dict[tuple[frozenset[int], tuple[int, ...]], tuple[Partition, list[int], list[int]]] = field(
-        default_factory=dict, repr=False
-    )
+    # higher-order backwards, by which outputs they read as the caller's own tensors, the inputs
+    # at hand and the gradients' layouts (see `higher_order`)
+    _higher_orders: dict[HigherOrderKey, HigherOrder] = field(default_factory=dict, repr=False)
     # graphs (by id) whose layouts were checked on a first run, each with what runs it next
     _checked: dict[int, Callable[..., Any]] = field(default_factory=dict, repr=False)
     extra_inputs: list[int] = field(default_factory=list)  # inputs kept only for second-order gradients
@@ -72,11 +75,11 @@ class Plan:
     # per backward graph (by id), the cotangents a broadcast gradient enters as it is (`cotangent`)
     _broadcast_as_is: dict[int, frozenset[int]] = field(default_factory=dict, repr=False)
     # the partition of the same joint with its tangents traced with given strides (`laid_out_backward`)
-    relayout: Callable[[tuple[tuple[int, ...] | None, ...]], Partition] | None = field(default=None, repr=False)
+    relayout: Callable[[Strides], Partition] | None = field(default=None, repr=False)
     # backwards for gradients laid out otherwise than contiguous, by their strides (None: none fits)
-    _laid_out: dict[tuple[tuple[int, ...] | None, ...], torch.fx.GraphModule | None] = field(
-        default_factory=dict, repr=False
-    )
+    _laid_out: dict[Strides, torch.fx.GraphModule | None] = field(default_factory=dict, repr=False)
+    # the same for higher-order backwards, by `higher_order`'s key
+    _higher_laid_out: dict[HigherOrderKey, HigherOrder | None] = field(default_factory=dict, repr=False)
     trace_seconds: float = 0.0  # what a plain trace of the function took (`_plans/templates` prices templates by it)
     builds_graph: bool = True  # its backward was traced as autograd runs one that builds a graph
     # per input in diff_inputs, how many gradients the backward gives it: one per use for an
@@ -114,7 +117,8 @@ class Plan:
         """This plan for another region whose stage-1 graph is the same (`_plans/sharing`): the
         partitioned graphs are shared, names and captured tensors are the other region's."""
         return dataclasses.replace(
-            self, stage_one=stage_one, region=region, _higher_orders={}, extra_inputs=list(self.extra_inputs)
+            self, stage_one=stage_one, region=region, _higher_orders={}, _higher_laid_out={},
+            extra_inputs=list(self.extra_inputs),
         )  # the set of graphs whose layouts were checked is shared: the same graphs, inputs laid out alike
 
     def apply(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -155,15 +159,23 @@ class Plan:
         return positions
 
     def backward_for(
-        self, gm: torch.fx.GraphModule, grads: Sequence[torch.Tensor | None], outputs: Sequence[int], like: Sequence[Any]
+        self,
+        gm: torch.fx.GraphModule,
+        grads: Sequence[torch.Tensor | None],
+        outputs: Sequence[int],
+        like: Sequence[Any],
+        as_given: bool = False,
     ) -> tuple[torch.fx.GraphModule, list[torch.Tensor | None]]:
         """The backward to run for these incoming gradients (of `outputs`, in order), and its
         cotangents: outputs that get no gradient contribute nothing, as in eager autograd
         (`passes.without_absent_cotangents`, built once per graph and pattern). Gradients
         laid out otherwise than the backward was traced for enter a backward traced for
-        their layout where one fits (`laid_out_backward`), else as `cotangent` makes them."""
+        their layout where one fits (`laid_out_backward`), else as `cotangent` makes them;
+        `as_given`: `gm` was traced for their layouts."""
         absent = [k for k, j in enumerate(outputs) if grads[j] is None]
         pruned = self._without(gm, absent, len(outputs)) if absent else gm
+        if as_given:  # a backward traced for these gradients' layouts
+            return pruned, [grads[j] for j in outputs]
         as_is = self._broadcast_as_is.get(id(pruned))
         if as_is is None:
             as_is = broadcast_tangents(pruned, len(outputs))
@@ -196,7 +208,7 @@ class Plan:
             pruned = self._pruned[key] = without_absent_cotangents(gm, cotangents, [cotangents[k] for k in absent])
         return pruned
 
-    def laid_out_backward(self, strides: tuple[tuple[int, ...] | None, ...]) -> torch.fx.GraphModule | None:
+    def laid_out_backward(self, strides: Strides) -> torch.fx.GraphModule | None:
         """The first-order backward traced for gradients with these strides (None: contiguous),
         as eager's derivatives run on them, so that its sums and products add in eager's
         order; None where it would read other kept values than the forward kept (its
@@ -273,19 +285,22 @@ class Plan:
         return self._second_order_reading(frozenset())
 
     def _second_order_reading(
-        self, outputs: frozenset[int], as_eager: bool = True
+        self, outputs: frozenset[int], as_eager: bool = True, strides: Strides = ()
     ) -> tuple[Partition, list[int], list[int]]:
         """The joint of the pure forward with cotangents for its kept values too, split
         keeping what the first-order forward keeps (`as_eager`: only what no recomputed
         value leads to, so that the second-order terms add as in eager), and the values of
         `outputs` (read as the caller's tensors, see `higher_order`); its cotangent outputs
-        and the first-order residual positions."""
+        and the first-order residual positions. Cotangents traced with `strides` (see
+        `laid_out_backward`)."""
         values = self.output_values
-        cotangent_outputs = [j for j in range(len(values)) if j not in self.nondifferentiable_outputs]
+        cotangent_outputs = self.second_order_cotangents
         n_states = len(self.part.replayed) + self.part.checked
         n_values = len(values) - n_states  # rng states and debug values are not values of the pure graph
         inputs = self.stage_one.input_values
-        joint = vjp_of_graph(self.part.forward_pure, inputs, self.diff_inputs, cotangent_outputs, self.gradient_counts)
+        joint = vjp_of_graph(
+            self.part.forward_pure, inputs, self.diff_inputs, cotangent_outputs, self.gradient_counts, strides
+        )
         outs = next(n for n in joint.graph.nodes if n.op == "output").args[0][:n_values]
         residuals = self.part.residual_outputs[: len(self.part.residual_outputs) - n_states]
         chosen = {outs[j] for j in [*residuals, *outputs]}
@@ -338,25 +353,57 @@ class Plan:
         return len(self.part.saved_inputs) + len(self.part.residual_outputs)
 
     def higher_order(
-        self, reading: frozenset[int] = frozenset(), held: tuple[int, ...] = ()
-    ) -> tuple[Partition, list[int], list[int]]:
+        self, reading: frozenset[int] = frozenset(), held: tuple[int, ...] = (), strides: Strides = ()
+    ) -> HigherOrder:
         """A backward that also takes cotangents for the kept values; where each of its kept
         inputs sits among the Function's saved tensors followed by the outputs in `reading`
         (in order) and the `held` inputs (in order); its cotangent outputs (built once per
-        `reading` and `held`, lazily).
+        `reading`, `held` and `strides`, lazily).
 
         `reading`: outputs whose values the backward reads as the caller's own tensors, not
         recomputed, as eager autograd reads an op's saved output (see `outputs_to_read`).
-        `held`: inputs first order did not keep that are still at hand (`held_inputs`)."""
+        `held`: inputs first order did not keep that are still at hand (`held_inputs`).
+        `strides`: the cotangents' layouts, where not contiguous (see `laid_out_higher_order`)."""
         with TRACE_LOCK, dispatch_modes_off():  # traces (make_fx keeps process-wide state): one at a time in the process
-            built = self._higher_orders.get((reading, held))
+            built = self._higher_orders.get((reading, held, strides))
             if built is None:
-                built = self._higher_orders[(reading, held)] = self._build_higher_order(reading, held)
+                built = self._build_higher_order(reading, held, strides)
+                self._higher_orders[(reading, held, strides)] = built
         return built
 
+    def laid_out_higher_order(
+        self, reading: frozenset[int], held: tuple[int, ...], grads: Sequence[torch.Tensor | None]
+    ) -> HigherOrder | None:
+        """`higher_order` traced for the layouts of `grads` where one is not contiguous, as
+        first order does (`laid_out_backward`); None where all are, or where it cannot be
+        traced (then `higher_order` for contiguous ones serves), or past the eighth layout."""
+        given = [grads[j] for j in self.second_order_cotangents if j < len(grads)]
+        if all(g is None or g.is_contiguous() for g in given):
+            return None
+        if any(g is not None and g.storage_offset() for g in given):
+            return None
+        strides = tuple(None if g is None or g.is_contiguous() else tuple(g.stride()) for g in given)
+        built = self._higher_laid_out.get((reading, held, strides), _UNBUILT)
+        if built is not _UNBUILT:
+            return built  # type: ignore[return-value]
+        if len(self._higher_laid_out) >= _LAYOUTS:
+            return None
+        try:
+            built = self.higher_order(reading, held, strides)
+        except Exception as error:  # (a RematError the contiguous one raises too)
+            logger.debug("remat(%s): no higher-order backward for strides %s: %s", self.region, strides, error)
+            built = None
+        self._higher_laid_out[(reading, held, strides)] = built
+        return built
+
+    @functools.cached_property
+    def second_order_cotangents(self) -> list[int]:
+        """The outputs a higher-order backward takes cotangents for (see `_second_order_reading`)."""
+        return [j for j in range(len(self.output_values)) if j not in self.nondifferentiable_outputs]
+
     def _build_higher_order(
-        self, reading: frozenset[int], held: tuple[int, ...]
-    ) -> tuple[Partition, list[int], list[int]]:
+        self, reading: frozenset[int], held: tuple[int, ...], strides: Strides = ()
+    ) -> HigherOrder:
         if self.stage_one.units:
             names = ", ".join(f"`{unit.function.__qualname__}`" for unit in self.stage_one.units.values())
             raise RematError(
@@ -365,10 +412,10 @@ class Plan:
                 "Function, so the second gradient would be wrong. Take the inner gradient outside the remat'd "
                 "function, or apply remat to code without the Function."
             )
-        full, cotangent_outputs, residuals = self._second_order_reading(reading)
+        full, cotangent_outputs, residuals = self._second_order_reading(reading, strides=strides)
         unkept = self._unkept(full, residuals, reading, held)
         if unkept:  # recomputing what the first-order forward kept needs more: read what it kept
-            full, cotangent_outputs, residuals = self._second_order_reading(reading, as_eager=False)
+            full, cotangent_outputs, residuals = self._second_order_reading(reading, as_eager=False, strides=strides)
             unkept = self._unkept(full, residuals, reading, held)
         if unkept:
             raise RematError(
@@ -550,10 +597,12 @@ class RematFunction(torch.autograd.Function):
                     "are), or use a policy that keeps or recomputes them."
                 )
             held = held_inputs(ctx) if not plan.builds_graph else {}
-            full, order, cotangent_outputs = plan.higher_order(frozenset(readable), tuple(held))
+            laid_out = plan.laid_out_higher_order(frozenset(readable), tuple(held), grads)
+            full, order, cotangent_outputs = laid_out or plan.higher_order(frozenset(readable), tuple(held))
             read = _read_outputs(plan, readable, order, len(kept)) if readable else []
             sources = (*kept, *read, *held.values()) if readable or held else kept
-            backward, cotangents = plan.backward_for(full.backward, grads, cotangent_outputs, kept)
+            as_given = laid_out is not None
+            backward, cotangents = plan.backward_for(full.backward, grads, cotangent_outputs, kept, as_given)
             input_grads = plan.run(backward, *[sources[k] for k in order], *cotangents)
             # one gradient per use, as in first order (`vjp_of_graph`), or one per input, all for its first use
             positions = plan.gradient_positions if len(input_grads) == len(plan.gradient_positions) else plan.diff_inputs
@@ -571,12 +620,14 @@ class RematFunction(torch.autograd.Function):
 
 
 def outputs_to_read(ctx: Any) -> dict[int, tuple[torch.Tensor | None, str | None]]:
-    """The region's outputs with tensor hooks or `retain_grad` that a backward that builds a
-    graph reads as the caller's tensors, by position; with why it cannot, those it cannot
-    read (changed in place since, or no longer held by anyone).
+    """The region's outputs that a backward that builds a graph reads as the caller's
+    tensors, by position: those still at hand and unchanged, and those with tensor hooks or
+    `retain_grad` in any case, with why it cannot read them (changed in place since, or no
+    longer held by anyone).
 
     In eager code the derivative of an op that saves its output (tanh, exp, softmax) reads
-    that very tensor, so a gradient of the gradient passes the output: its tensor hooks and
+    that very tensor, so a gradient of the gradient passes the output: its second-order
+    terms meet there with those of the caller's uses of it, and its tensor hooks and
     `retain_grad` run. Read the same way, remat's do too. Hooks are seen in the tables the
     node notes (`note_hook_tables`), which outlive the outputs."""
     readable: dict[int, tuple[torch.Tensor | None, str | None]] = {}
@@ -584,7 +635,9 @@ def outputs_to_read(ctx: Any) -> dict[int, tuple[torch.Tensor | None, str | None
     for j, ref, version in ctx.outputs:
         tensor = ref()
         if not (tables.get(j) or (tensor is not None and (has_tensor_hooks(tensor) or tensor.retains_grad))):
-            continue  # read or recomputed, the same value: recomputed, as it is where nothing is hooked
+            if tensor is not None and tensor._version == version:  # at hand: read, so its terms meet as in eager
+                readable[j] = (tensor, None)
+            continue  # else recomputed: the same value, its second-order terms added apart
         if tensor is None:
             readable[j] = (None, "no longer held by anything")
         elif tensor._version == version:

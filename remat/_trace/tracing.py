@@ -1106,16 +1106,18 @@ def vjp_of_graph(
     diff_inputs: Sequence[int],
     cotangent_outputs: Sequence[int],
     gradient_counts: Sequence[int],
+    tangent_strides: Sequence[tuple[int, ...] | None] = (),
 ) -> torch.fx.GraphModule:
     """A joint graph for an already partitioned forward graph (used for higher-order grads):
     an input gets one gradient per use, as in the first-order joint graph, where its counts
-    (`gradient_counts`, per input in `diff_inputs`) are the same; else one in all."""
+    (`gradient_counts`, per input in `diff_inputs`) are the same; else one in all. Tangents
+    as `differentiate` traces them (`tangent_strides`)."""
     shim = StageOne(
         graph=forward, n_explicit=len(input_values), lifted=[], by_reference=[], input_paths=[],
         out_spec=None, out_static=[], n_outputs=0, mutated=[], input_values=list(input_values),
     )
     if any(count > 1 for count in gradient_counts):
-        joint = differentiate(shim, diff_inputs, cotangent_outputs, by_use=True)
+        joint = differentiate(shim, diff_inputs, cotangent_outputs, by_use=True, tangent_strides=tangent_strides)
         if [gradient_count(joint, i) for i in diff_inputs] == list(gradient_counts):
             return joint
-    return differentiate(shim, diff_inputs, cotangent_outputs, by_use=False)
+    return differentiate(shim, diff_inputs, cotangent_outputs, by_use=False, tangent_strides=tangent_strides)

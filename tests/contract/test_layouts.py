@@ -215,6 +215,67 @@ def test_under_torch_func_a_gradient_laid_out_otherwise_runs_the_backward_eager_
         assert all(torch.equal(a, b) for a, b in zip(grads(region_fn), expected, strict=True))
 
 
+SECOND_ORDER_USES: dict[str, Any] = {**USES, "square": lambda out: (out * out).sum()}
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Bitwise equal, or both None (a gradient that does not reach an input)."""
+    return a is None and b is None or a is not None and b is not None and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("use", ["scaled sum", "transposed", "permuted by einsum", "square"])
+@pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.dots_saveable], ids=str)
+@pytest.mark.parametrize("region", ["tanh(x @ w)", "a biased linear", "a bias added"])
+def test_a_gradient_penalty_is_eager_s_whatever_the_loss_does_with_the_output(
+    region: str, policy: Any, use: str
+) -> None:
+    """A gradient penalty: `torch.autograd.grad(loss, inputs, create_graph=True)`, then a
+    backward through those gradients. The backward that builds a graph is traced for the
+    gradient's layout, and reads the region's output as the caller's tensor (as eager's
+    derivative of tanh reads its saved result), so where the loss is not linear in the
+    output (a square, an einsum of it with itself) the second-order terms through the
+    output meet in one node, as in eager: first and second order bitwise."""
+    f = LAID_OUT_REGIONS[region]
+    torch.manual_seed(0)
+    x, w = torch.randn(17, 8), torch.randn(8, 8)
+
+    def grads(fn: Any) -> Any:
+        leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+        first = torch.autograd.grad(SECOND_ORDER_USES[use](fn(*leaves)), leaves, create_graph=True)
+        sum((g * g).sum() for g in first).backward()
+        return [g.detach() for g in first], [t.grad for t in leaves]
+
+    region_fn = remat(f, policy=policy)
+    expected = grads(f)
+    for _ in range(2):
+        got = grads(region_fn)
+        for order in range(2):
+            assert all(_same(a, b) for a, b in zip(got[order], expected[order], strict=True)), order
+
+
+@pytest.mark.parametrize("use", ["scaled sum", "transposed", "square"])
+@pytest.mark.parametrize("policy", [None, P.nothing_saveable, P.dots_saveable], ids=str)
+@pytest.mark.parametrize("region", ["tanh(x @ w)", "a biased linear", "a bias added"])
+def test_nested_torch_func_gradients_are_eager_s_whatever_the_loss_does_with_the_output(
+    region: str, policy: Any, use: str
+) -> None:
+    """The same under nested torch.func gradients: the backward reads the region's
+    output as the forward made it, so the outer gradient's terms through it meet in one
+    node (an output kept for backward costs no memory beyond what eager's op keeps)."""
+    f = LAID_OUT_REGIONS[region]
+    torch.manual_seed(0)
+    x, w = torch.randn(17, 8), torch.randn(8, 8)
+
+    def grads(fn: Any) -> Any:
+        inner = torch.func.grad(lambda *a: SECOND_ORDER_USES[use](fn(*a)), argnums=(0, 1))
+        return torch.func.grad(lambda *a: sum((g * g).sum() for g in inner(*a)), argnums=(0, 1))(x, w)
+
+    region_fn = remat(f, policy=policy)
+    expected = grads(f)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(grads(region_fn), expected, strict=True))
+
+
 def test_past_eight_gradient_layouts_a_plan_makes_gradients_contiguous_and_stays_right() -> None:
     """A plan traces a backward for each of its first eight gradient layouts; later ones
     run the contiguous backward on a contiguous copy (close to eager's, not bitwise: the
