@@ -620,24 +620,24 @@ class RematFunction(torch.autograd.Function):
 
 
 def outputs_to_read(ctx: Any) -> dict[int, tuple[torch.Tensor | None, str | None]]:
-    """The region's outputs that a backward that builds a graph reads as the caller's
-    tensors, by position: those still at hand and unchanged, and those with tensor hooks or
-    `retain_grad` in any case, with why it cannot read them (changed in place since, or no
-    longer held by anyone).
+    """The region's outputs with tensor hooks or `retain_grad` that a backward that builds a
+    graph reads as the caller's tensors, by position; with why it cannot, those it cannot
+    read (changed in place since, or no longer held by anyone).
 
     In eager code the derivative of an op that saves its output (tanh, exp, softmax) reads
-    that very tensor, so a gradient of the gradient passes the output: its second-order
-    terms meet there with those of the caller's uses of it, and its tensor hooks and
+    that very tensor, so a gradient of the gradient passes the output: its tensor hooks and
     `retain_grad` run. Read the same way, remat's do too. Hooks are seen in the tables the
-    node notes (`note_hook_tables`), which outlive the outputs."""
+    node notes (`note_hook_tables`), which outlive the outputs. (Reading every output at
+    hand would make the output's second-order terms meet as in eager where the loss is not
+    linear in it, but send them through the region's node, apart from the terms the
+    rebuilt graph adds: under autocast inside the region, a cast of an input then adds
+    its terms in two sums where eager's adds them in one, off by more than bf16 rounding.)"""
     readable: dict[int, tuple[torch.Tensor | None, str | None]] = {}
     tables = getattr(ctx, "hook_tables", {})
     for j, ref, version in ctx.outputs:
         tensor = ref()
         if not (tables.get(j) or (tensor is not None and (has_tensor_hooks(tensor) or tensor.retains_grad))):
-            if tensor is not None and tensor._version == version:  # at hand: read, so its terms meet as in eager
-                readable[j] = (tensor, None)
-            continue  # else recomputed: the same value, its second-order terms added apart
+            continue  # read or recomputed, the same value: recomputed, as it is where nothing is hooked
         if tensor is None:
             readable[j] = (None, "no longer held by anything")
         elif tensor._version == version:
