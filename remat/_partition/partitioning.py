@@ -185,7 +185,7 @@ def _choose_kept(
         allowed = _within_budget(graph, joint.forward, needed, input_set, decide, budget, must_keep)
     else:
         allowed = _allowed(graph, joint.forward, decide) | must_keep
-    if second_order and not exact:  # the outputs, as eager's derivatives read an op's saved result (no memory more)
+    if second_order and not exact:  # the outputs, as eager's derivatives read an op's saved result
         allowed |= {o for o in joint.outs if isinstance(o, torch.fx.Node) and o in joint.forward}
     saved_inputs, residuals, recompute = _walk(needed, allowed, input_set, exact)
     while second_order and (downstream := _downstream_of_recompute(graph, residuals, recompute) - must_keep):

@@ -187,11 +187,8 @@ class Plan:
             for cotangent, j in zip(cotangents, outputs, strict=True):
                 if cotangent is not None and cotangent is not grads[j]:  # a copy: laid out otherwise
                     given = [grads[j] for j in outputs]
-                    if any(g is not None and g.storage_offset() for g in given):
-                        break  # (traced at offset 0, the layout of a copy)
-                    laid_out = self.laid_out_backward(tuple(
-                        None if g is None or g.is_contiguous() else tuple(g.stride()) for g in given
-                    ))
+                    strides = _strides_of(given)
+                    laid_out = None if strides is None else self.laid_out_backward(strides)
                     if laid_out is not None:
                         return self._without(laid_out, absent, len(outputs)) if absent else laid_out, given
                     break
@@ -377,12 +374,9 @@ class Plan:
         """`higher_order` traced for the layouts of `grads` where one is not contiguous, as
         first order does (`laid_out_backward`); None where all are, or where it cannot be
         traced (then `higher_order` for contiguous ones serves), or past the eighth layout."""
-        given = [grads[j] for j in self.second_order_cotangents if j < len(grads)]
-        if all(g is None or g.is_contiguous() for g in given):
+        strides = _strides_of([grads[j] for j in self.second_order_cotangents if j < len(grads)])
+        if strides is None or all(s is None for s in strides):
             return None
-        if any(g is not None and g.storage_offset() for g in given):
-            return None
-        strides = tuple(None if g is None or g.is_contiguous() else tuple(g.stride()) for g in given)
         built = self._higher_laid_out.get((reading, held, strides), _UNBUILT)
         if built is not _UNBUILT:
             return built  # type: ignore[return-value]
@@ -442,6 +436,14 @@ class Plan:
 
 _LAYOUTS = 8  # gradient layouts a plan traces a backward for; later ones are made contiguous
 _UNBUILT = object()
+
+
+def _strides_of(grads: Sequence[torch.Tensor | None]) -> Strides | None:
+    """The key of a backward traced for these gradients' layouts; None where one sits at a
+    storage offset (backwards are traced at offset 0, the layout of a copy)."""
+    if any(g is not None and g.storage_offset() for g in grads):
+        return None
+    return tuple(None if g is None or g.is_contiguous() else tuple(g.stride()) for g in grads)
 
 
 def eager_under_transforms(stage_one: StageOne, inputs: Sequence[torch.Tensor]) -> bool:
