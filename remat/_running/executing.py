@@ -211,24 +211,18 @@ class Plan:
         order; None where it would read other kept values than the forward kept (its
         partition chose otherwise), where tracing it fails (a derivative reading memory a
         broadcast gradient does not have), or for the ninth layout and after (built once each)."""
-        built = self._laid_out.get(strides, _UNBUILT)
-        if built is not _UNBUILT:
-            return built  # type: ignore[return-value]
-        with TRACE_LOCK, dispatch_modes_off(), fake_tensor_cache_bounded():  # one trace at a time in the process
-            if strides in self._laid_out or len(self._laid_out) >= _LAYOUTS or self.relayout is None:
-                return self._laid_out.get(strides)
-            try:
-                part = self.relayout(strides)
-            except Exception as error:  # the contiguous backward serves, as it does past the eighth layout
-                logger.debug("remat(%s): no backward for gradients with strides %s: %s", self.region, strides, error)
-                built = None
-            else:
-                same = (part.saved_inputs, part.residual_outputs, part.replayed, part.forward.code) == (
-                    self.part.saved_inputs, self.part.residual_outputs, self.part.replayed, self.part.forward.code
-                )
-                built = part.backward if same else None
-            self._laid_out[strides] = built
-        return built
+        relayout = self.relayout
+        if relayout is None:
+            return None
+
+        def build() -> torch.fx.GraphModule | None:
+            part = relayout(strides)
+            same = (part.saved_inputs, part.residual_outputs, part.replayed, part.forward.code) == (
+                self.part.saved_inputs, self.part.residual_outputs, self.part.replayed, self.part.forward.code
+            )
+            return part.backward if same else None
+
+        return _built_once(self._laid_out, strides, build, self.region)  # type: ignore[no-any-return]
 
     def plans(self) -> list[Plan]:
         return [self]
@@ -377,18 +371,8 @@ class Plan:
         strides = _strides_of([grads[j] for j in self.second_order_cotangents if j < len(grads)])
         if strides is None or all(s is None for s in strides):
             return None
-        built = self._higher_laid_out.get((reading, held, strides), _UNBUILT)
-        if built is not _UNBUILT:
-            return built  # type: ignore[return-value]
-        if len(self._higher_laid_out) >= _LAYOUTS:
-            return None
-        try:
-            built = self.higher_order(reading, held, strides)
-        except Exception as error:  # (a RematError the contiguous one raises too)
-            logger.debug("remat(%s): no higher-order backward for strides %s: %s", self.region, strides, error)
-            built = None
-        self._higher_laid_out[(reading, held, strides)] = built
-        return built
+        build = functools.partial(self.higher_order, reading, held, strides)
+        return _built_once(self._higher_laid_out, (reading, held, strides), build, self.region)  # type: ignore[no-any-return]
 
     @functools.cached_property
     def second_order_cotangents(self) -> list[int]:
@@ -436,6 +420,26 @@ class Plan:
 
 _LAYOUTS = 8  # gradient layouts a plan traces a backward for; later ones are made contiguous
 _UNBUILT = object()
+
+
+def _built_once(table: dict[Any, Any], key: Any, build: Callable[[], Any], region: str) -> Any:
+    """`table[key]`, built the first time (one trace at a time in the process): a backward
+    traced for a gradient layout, or None where building it fails (a RematError the
+    contiguous one raises too, or a derivative reading memory a broadcast gradient does not
+    have: the contiguous backward serves) or the table holds `_LAYOUTS` layouts already."""
+    built = table.get(key, _UNBUILT)
+    if built is not _UNBUILT:
+        return built
+    with TRACE_LOCK, dispatch_modes_off(), fake_tensor_cache_bounded():
+        if key in table or len(table) >= _LAYOUTS:
+            return table.get(key)
+        try:
+            built = build()
+        except Exception as error:
+            logger.debug("remat(%s): no backward traced for gradients laid out %s: %s", region, key, error)
+            built = None
+        table[key] = built
+    return built
 
 
 def _strides_of(grads: Sequence[torch.Tensor | None]) -> Strides | None:
