@@ -238,7 +238,8 @@ def render(result: dict[str, Any]) -> str:
             "**First training step of a deep model** (bench/trace_time.py, same run): a transformers `LlamaModel` of 32 "
             "such layers under `checkpoint_layers(model.layers, dots_saveable)`, one step (forward and backward) at each "
             "sequence length, batch 2, 3 fresh models. Per length: what the first step there costs beyond a planned step "
-            "(min of 5), what the first layer's first call there costs beyond a planned call, and their ratio (the goal: "
+            "(the median of 5: against the least of them, the spread of step times would count as planning), "
+            "what the first layer's first call there costs beyond a planned call, and their ratio (the goal: "
             "at most 2); this process's CPU time, so other processes' load is not counted; each length first runs one step "
             "without remat, so what any first step at new sizes pays (the allocator, kernels) is not counted as planning. The last column is the ratio with like layers turned off, every layer tracing its stage-1 graph "
             "(one model).",

@@ -156,13 +156,16 @@ def new_lengths(repeat: int) -> dict[str, list[float]]:
     return times
 
 
-PLANNED_STEPS = 5  # steps at a length once planned, whose minimum a first step is compared with
+# steps at a length once planned, whose median a first step is compared with: one first step
+# against the least of five would count the spread of step times (tens of ms on a 600 ms
+# step of this machine) as planning
+PLANNED_STEPS = 5
 
 
 def deep_model(layers: int = 32, repeat: int = 3, like_layers: bool = True) -> dict[str, dict[str, float]]:
     """Per sequence length (128, then three new ones): seconds of a model's first training
-    step there beyond a step once planned (min of PLANNED_STEPS), and of its first layer's
-    first call there beyond a planned call; their ratio is what a step's planning costs in
+    step there beyond a step once planned (median of PLANNED_STEPS), and of its first layer's
+    first call there beyond a planned call (the median likewise); their ratio is what a step's planning costs in
     first-layer traces. Timed on this process's CPU clock (one torch thread), which other
     processes' load does not count; each length is first run once without remat, so that
     what any first step at new sizes pays (the allocator's first blocks of those sizes,
@@ -217,9 +220,9 @@ def deep_model(layers: int = 32, repeat: int = 3, like_layers: bool = True) -> d
                     step(model, seq)
                 calls.pop()
                 planning = step(model, seq)
-                planned = min(step(model, seq) for _ in range(PLANNED_STEPS))
+                planned = statistics.median(step(model, seq) for _ in range(PLANNED_STEPS))
                 extra.setdefault(seq if seq in (128, 120) else seq - r, []).append(
-                    (planning - planned, calls[-PLANNED_STEPS - 1] - min(calls[-PLANNED_STEPS:]))
+                    (planning - planned, calls[-PLANNED_STEPS - 1] - statistics.median(calls[-PLANNED_STEPS:]))
                 )
             del model
             gc.collect()

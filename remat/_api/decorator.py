@@ -42,7 +42,7 @@ from .._plans.like_layers import like_key, like_plan, note_reads, offer, region_
 from .._plans.sharing import graph_signature, share_plan, shared_plan
 from .._plans.templates import Graphs, Templates
 from .._running.chaining import Chain, Runnable, split_at_outputs, why_unsplit
-from .._running.executing import Plan, as_returned, eager_under_transforms
+from .._running.executing import Plan, as_returned, eager_under_transforms, writes_into_shared_memory
 from .._running.replaying import replay, replay_note
 from .._trace.arguments import Call, CaptureMemo, positional_names, split_call
 from .._trace.attribute_reads import recording_reads
@@ -274,7 +274,7 @@ class Rematerialized(Generic[_P, _R]):
             return self.fn(*args, **kwargs)
         stage_one = plan.stage_one
         inputs = stage_one.graph_inputs(call)
-        if eager_under_transforms(stage_one, inputs):  # exact without remat; rare (see there)
+        if eager_under_transforms(stage_one, inputs) or writes_into_shared_memory(stage_one, inputs):  # rare: see there
             return self.fn(*args, **kwargs)
         record(plan)
         results = plan.apply(inputs)

@@ -20,6 +20,7 @@ BACKWARD_KEY = "remat_backward"  # computed by an autograd.grad/backward the fun
 USER_DETACH_KEY = "remat_user_detach"  # a `detach` the function's code calls (not autograd's own)
 RNG_STREAM_KEY = "remat_rng_stream"  # a random op's (draw number, generator, the stream it draws from)
 FILL_LIKE_KEY = "remat_fill_like"  # a random fill drawn into a fresh tensor, where eager filled a tensor in place
+FILL_PERMUTED_KEY = "remat_fill_permuted"  # such a fill of a tensor whose memory order is not its logical order
 AUTOCAST_CAST_KEY = "remat_autocast_cast"  # a cast autocast made (not the user's `.to`)
 NAME_KEY = "remat_name"  # the name checkpoint_name gave the value
 USE_ALIAS_KEY = "remat_use_alias"  # stage 2's alias of an input for one of its uses, taken out after

@@ -199,11 +199,6 @@ def any_vmap_active() -> bool:
     return bool(active_vmaps())
 
 
-def vmap_randomness_different() -> bool:
-    """Whether some active vmap draws `randomness="different"` (torch 2.13 and 2.11)."""
-    return any(randomness == "different" for _, randomness in active_vmaps())
-
-
 def active_vmaps() -> list[tuple[int, str]]:
     """(level, randomness) of every active vmap, outermost first (torch 2.13 and 2.11).
     The one scan of the functorch stack; the questions above are read from it."""
@@ -303,6 +298,25 @@ def new_fake_mode() -> Any:
     if symbolic is not None:
         return symbolic[0]
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def torch_function_state_now() -> Any:
+    """How torch handles `__torch_function__` now: enabled, subclasses' disabled (inside a
+    subclass's own `__torch_function__`, and so in the whole backward `t.backward()` runs
+    for a subclass tensor `t`), or all disabled (torch 2.13 and 2.11, torch._C)."""
+    return torch._C._get_torch_function_state()  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def torch_function_state(state: Any) -> Iterator[None]:
+    """Run with `__torch_function__` handled as `state` (from `torch_function_state_now`)
+    says, then as before (torch 2.13 and 2.11, torch._C `_set_torch_function_state`)."""
+    before = torch._C._get_torch_function_state()  # type: ignore[attr-defined]
+    torch._C._set_torch_function_state(state)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        torch._C._set_torch_function_state(before)  # type: ignore[attr-defined]
 
 
 # While a template is traced with symbolic sizes: its fake mode (with a shape environment)

@@ -37,7 +37,7 @@ from .._core.torch_internals import (
     note_hook_tables,
     transforms_active,
     untracked_by_a_gradient_transform,
-    vmap_randomness_different,
+    unwrap_transforms,
 )
 from .._partition.partitioning import Partition, partition
 from .._trace.passes import without_absent_cotangents
@@ -461,6 +461,9 @@ def eager_under_transforms(stage_one: StageOne, inputs: Sequence[torch.Tensor]) 
       draws per element when `x` is batched, where remat's graph draws into a fresh tensor
       vmap does not batch; eager `torch.empty(3, 4).uniform_()` raises (an unbatched tensor
       cannot be filled differently per element), which running the region as it is repeats;
+      under `randomness="same"`, the in-place fill of a batched tensor whose memory order is
+      not its logical order (`(x.mT * 1).uniform_()`): vmap draws it in logical order, where
+      remat's graph draws in memory order, as eager code does outside vmap;
     - an in-place write of a value batched at some vmap's level into a tensor that is not
       (eager code refuses it: "output with shape [3] doesn't match the broadcast shape
       [2, 3]"), which remat's functional graph would compute: running the region as it is
@@ -471,8 +474,10 @@ def eager_under_transforms(stage_one: StageOne, inputs: Sequence[torch.Tensor]) 
       which remat's graph would apply after the call: again, it raises as eager code does."""
     if torch.compiler.is_compiling() or not transforms_active():  # dynamo resuming after a break: no vmap
         return False
-    if stage_one.fills_like and vmap_randomness_different() and any(has_batched_level(t) for t in inputs):
-        return True
+    if stage_one.fills_like and any(has_batched_level(t) for t in inputs):
+        draws = {kind for _, kind in active_vmaps()}  # each vmap's randomness
+        if "different" in draws or (stage_one.fills_permuted and "same" in draws):
+            return True
     if stage_one.in_place_writes and _writes_batched_into_unbatched(stage_one.in_place_writes, inputs):
         return True
     if any(
@@ -488,6 +493,31 @@ def eager_under_transforms(stage_one: StageOne, inputs: Sequence[torch.Tensor]) 
     if all(batched) or not any(needs and not b for needs, b in zip(stage_one.input_needs_grad, batched)):
         return False
     return _output_of_unbatched_inputs(stage_one.graph, tuple(stage_one.output_differentiable), batched, randomness)
+
+
+def writes_into_shared_memory(stage_one: StageOne, inputs: Sequence[torch.Tensor]) -> bool:
+    """Whether the region writes in place into an input that shares memory with another
+    of its inputs (`f(x, x[0])` writing into `x[0]`): eager code reads the write through
+    the other tensor, where remat's graph takes its inputs as values of their own, so the
+    region must run as it is to be exact. Rare; one tensor passed as several arguments is
+    one input of the graph instead (`_trace/arguments.aliases`)."""
+    if not stage_one.mutated:
+        return False
+    storages = [_storage_address(t) for t in inputs]
+    for i in stage_one.mutated:
+        written = storages[i]
+        if written and any(s == written and inputs[j] is not inputs[i] for j, s in enumerate(storages)):
+            return True
+    return False
+
+
+def _storage_address(t: torch.Tensor) -> int:
+    """Where `t`'s memory starts (under torch.func wrappers, the tensor they wrap); 0 for
+    none (an empty tensor, a tensor without storage)."""
+    try:
+        return int(unwrap_transforms(t).untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
 
 
 def as_returned(

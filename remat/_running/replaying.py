@@ -53,6 +53,8 @@ from .._core.torch_internals import (
     local_tensor,
     replays_supported,
     selective_checkpoint_contexts,
+    torch_function_state,
+    torch_function_state_now,
 )
 from .._partition.compiling import NAMED_COPY, Decisions
 from .._partition.costs import nbytes_of, op_flops
@@ -176,9 +178,43 @@ def _contexts(
         # a name's copy is not made in the recompute; random draws are told apart by their count
         decisions.caching, cached = selective_checkpoint_contexts(decisions, (NAMED_COPY,), draws_random)
         caching, reading = (decisions.caching,), (_Diverging(cached, region), cached)
-    recomputing = _Entered(recompute, _Rewound(writes), *reading)
+    seen = _SeenTorchFunctionState()
+    recomputing = _Entered(_SameTorchFunctionState(seen), recompute, _Rewound(writes), *reading)
     watching = () if observed is None else (observed(decisions, writes, weakref.ref(recomputing)),)  # innermost: sees ops first
-    return _Entered(forward, *caching, writes, *watching), recomputing
+    return _Entered(seen, forward, *caching, writes, *watching), recomputing
+
+
+class _SeenTorchFunctionState:
+    """Notes how `__torch_function__` was handled when the forward ran."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+
+    def __enter__(self) -> None:
+        self.state = torch_function_state_now()
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+class _SameTorchFunctionState:
+    """Runs the recompute with `__torch_function__` handled as in the forward. The
+    recompute runs inside backward, and `t.backward()` on a tensor subclass `t` runs the
+    whole backward inside the subclass's `__torch_function__`, where subclasses' own are
+    off: a region given a subclass with its own (one that changes what an op gives) would
+    recompute other values than its forward computed, as torch.utils.checkpoint does."""
+
+    def __init__(self, seen: _SeenTorchFunctionState) -> None:
+        self.seen = seen
+        self.entered: list[Any] = []
+
+    def __enter__(self) -> None:
+        manager = torch_function_state(self.seen.state)
+        manager.__enter__()
+        self.entered.append(manager)
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.entered.pop().__exit__(*exc)
 
 
 class _Entered:

@@ -61,6 +61,9 @@ class Call:
     tensor_positions: Sequence[int]
     key: tuple[Any, ...]
     leaf_paths: Sequence[str] = ()  # readable path of every leaf
+    # for arguments that are one tensor object passed more than once, each argument's first
+    # position (`aliases`); None when every argument is a tensor of its own
+    aliases: tuple[int, ...] | None = None
 
     def objects(self) -> list[tuple[str, Any]]:
         """The static leaves that are objects (not tensors, numbers or strings), by path:
@@ -102,6 +105,7 @@ class Call:
             "autocast",
             "kernel choices (torch.backends: SDPA backends, cuDNN, oneDNN, deterministic algorithms)",
             "default dtype and device of factories",
+            "which arguments are one tensor",
         ]
 
     def storage_offsets(self) -> tuple[int, ...]:
@@ -296,7 +300,26 @@ def _with_captured(
     key.append(autocast_state())
     key.append(kernel_choices())  # which fused kernels composites pick (attention, batch norm)
     key.append(factory_defaults())  # the dtype and device `torch.ones(3)` gets
-    return Call(tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key), leaf_paths)
+    same = aliases(tensors)
+    key.append(same)
+    return Call(
+        tensors, tensor_paths, captured, captured_paths, captured_setters, leaves, spec, positions, tuple(key),
+        leaf_paths, same,
+    )
+
+
+def aliases(tensors: Sequence[torch.Tensor]) -> tuple[int, ...] | None:
+    """For a call that passes one tensor object as several arguments (`f(x, x)`), each
+    argument's first position; None when they are all distinct. The trace then gives those
+    arguments one stand-in, as eager code has one tensor: a write through one is seen
+    through the others, and autograd adds the gradients of all their uses in one place."""
+    if len(tensors) < 3:  # the common calls, answered without a set
+        return (0, 0) if len(tensors) == 2 and tensors[0] is tensors[1] else None
+    ids = [id(t) for t in tensors]
+    if len(set(ids)) == len(ids):
+        return None
+    first: dict[int, int] = {}
+    return tuple(first.setdefault(i, k) for k, i in enumerate(ids))
 
 
 class _Substitutions:
@@ -562,6 +585,12 @@ def _collect_consistently(fn: Callable[..., Any], memo: CaptureMemo | None = Non
 
 
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+# what `__torch_function__` is on torch.Tensor and on nn.Parameter (which turns it off): a
+# subclass with another runs Python of its own on every torch call
+_PLAIN_TORCH_FUNCTIONS = (
+    torch.Tensor.__torch_function__.__func__,  # type: ignore[attr-defined]
+    torch.nn.Parameter.__torch_function__,
+)
 
 
 def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor, transforms: bool) -> None:
@@ -587,6 +616,15 @@ def _refuse_unstrided(fn: Callable[..., Any], path: str, t: torch.Tensor, transf
             f"remat({_qualname(fn)}): {path} is a {type(t).__name__}, a tensor subclass with its own dispatch "
             "(such as DTensor for tensor parallelism), and remat traces plain tensors only. Without a torch.func "
             "transform, such a region runs as torch.utils.checkpoint runs it; under one it cannot run."
+        )
+    torch_function = type(t).__torch_function__
+    if getattr(torch_function, "__func__", torch_function) not in _PLAIN_TORCH_FUNCTIONS:
+        raise RematTraceError(
+            f"remat({_qualname(fn)}): {path} is a {type(t).__name__}, a tensor subclass with its own "
+            "__torch_function__, which runs Python of its own on every torch call; remat traces the ops of plain "
+            "tensors, which would leave that Python out. Without a torch.func transform, such a region runs as "
+            "torch.utils.checkpoint runs it; under one it cannot run. Where the region needs none of that Python, "
+            "pass a plain tensor (`t.as_subclass(torch.Tensor)`) to trace it."
         )
     if t.layout != torch.strided:
         _refuse_layout(fn, path, t)

@@ -23,6 +23,7 @@ from .._core.nodes import (
     AUTOCAST_CAST_KEY,
     BACKWARD_KEY,
     FILL_LIKE_KEY,
+    FILL_PERMUTED_KEY,
     GRAD_OFF_KEY,
     NO_DEFAULT,
     USER_DETACH_KEY,
@@ -120,7 +121,9 @@ def random_fills_in_memory_order(gm: torch.fx.GraphModule) -> None:
         fresh.meta = {**filled.meta, "val": val.new_empty(physical)}
         drawn.meta = {**node.meta, "val": fresh.meta["val"]}
         # see _running/executing.eager_under_transforms
-        drawn.meta["custom"] = {**drawn.meta.get("custom", {}), FILL_LIKE_KEY: True}
+        drawn.meta["custom"] = {
+            **drawn.meta.get("custom", {}), FILL_LIKE_KEY: True, FILL_PERMUTED_KEY: order != sorted(order),
+        }
         logical.meta = {**node.meta, "val": fresh.meta["val"].permute(inverse)}
         result = _with_zero_derivative_into(graph, logical, filled) if _may_carry_gradient(filled, node) else logical
         node.replace_all_uses_with(result)

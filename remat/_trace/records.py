@@ -69,6 +69,7 @@ class StageOne:
     changes_state: bool = False  # the trace changed an object the function reaches (warned)
     # a random fill of a tensor made like another (see _running/executing.eager_under_transforms)
     fills_like: bool = False
+    fills_permuted: bool = False  # one of them of a tensor whose memory order is not its logical order
     units: dict[int, Any] = field(default_factory=dict)  # custom autograd.Functions traced as units (`_trace/functions`)
     # before functionalization (see _running/executing.eager_under_transforms)
     in_place_writes: tuple[InPlaceWrite, ...] = ()

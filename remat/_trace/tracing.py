@@ -36,6 +36,7 @@ from .._core.nodes import (
     BACKWARD_KEY,
     DIFFERENTIABLE_KEY,
     FILL_LIKE_KEY,
+    FILL_PERMUTED_KEY,
     GRAD_OFF_KEY,
     GRADIENT_COUNT_KEY,
     RNG_STREAM_KEY,
@@ -371,7 +372,10 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     slotted = [i for i, setter in enumerate(call.captured_setters) if setter is not None]
 
     def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
-        args, kwargs = call.rebuild(tensors[:n_explicit])
+        explicit = tensors[:n_explicit]
+        if call.aliases is not None:  # one tensor passed as several arguments: one stand-in
+            explicit = tuple(explicit[k] for k in call.aliases)
+        args, kwargs = call.rebuild(explicit)
         replacements = list(call.captured)
         for i, t in zip(slotted, tensors[n_explicit:]):
             replacements[i] = t
@@ -476,6 +480,7 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         rng_end=rng_end,
         input_values=[n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"],
         fills_like=any(n.meta.get("custom", {}).get(FILL_LIKE_KEY) for n in gm.graph.nodes),
+        fills_permuted=any(n.meta.get("custom", {}).get(FILL_PERMUTED_KEY) for n in gm.graph.nodes),
         reads_storage_offsets=_reads_storage_offsets(gm),
         changes_state=bool(changes),
         units=dict(units.units) if units is not None else {},

@@ -241,6 +241,40 @@ def test_a_fill_of_a_tensor_made_like_a_batched_one_draws_as_eager_under_vmap(tr
     assert_close(run(remat(f)), run(f))
 
 
+def _fill_of_a_transposed_value(x: torch.Tensor) -> torch.Tensor:
+    return (x.mT * 1).uniform_() * x.mT
+
+
+def _fill_made_like_a_transposed_value(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x.mT).bernoulli_(0.5) * x.mT + x.mT
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("randomness", ["different", "same"])
+@pytest.mark.parametrize("transform", ["vmap", "vmap_grad"])
+@pytest.mark.parametrize(
+    "fn", [_fill_of_a_transposed_value, _fill_made_like_a_transposed_value], ids=lambda f: f.__name__
+)
+def test_a_fill_of_a_value_laid_out_otherwise_draws_as_eager_under_vmap(
+    fn: Callable[..., torch.Tensor], transform: str, randomness: str, layout: str
+) -> None:
+    """Outside vmap an in-place fill draws in the tensor's memory order; vmap with
+    `randomness="same"` draws a batched tensor's fill in its logical order instead."""
+    xs = torch.randn(2, 3, 4, dtype=D, generator=torch.Generator().manual_seed(0))
+    xs = xs if layout == "contiguous" else xs.mT.contiguous().mT
+
+    def run(f: Callable[..., torch.Tensor]) -> Any:
+        torch.manual_seed(5)
+        if transform == "vmap":
+            leaf = xs.detach().clone(memory_format=torch.preserve_format).requires_grad_()
+            out = vmap(f, randomness=randomness)(leaf)
+            out.pow(2).sum().backward()
+            return out.detach(), leaf.grad, torch.rand(2)
+        return vmap(grad(lambda x: f(x).pow(2).sum()), randomness=randomness)(xs), torch.rand(2)
+
+    assert_close(run(remat(fn)), run(fn), rtol=0, atol=0)
+
+
 _CAPTURED_UNBATCHED = torch.randn(4, dtype=D)
 
 

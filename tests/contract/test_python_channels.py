@@ -287,6 +287,155 @@ def test_an_in_place_change_with_grad_off_nobody_reads_after_is_exact() -> None:
     assert_close((x.grad, w_remat), (expected, w_eager))
 
 
+# --- arguments that share memory -------------------------------------------------------
+
+
+def _two_uses(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(a @ w) * b + torch.sin(b) * a
+
+
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+@pytest.mark.parametrize("transform", ["backward", "grad", "vmap_grad"])
+def test_one_tensor_passed_as_several_arguments_gets_eager_s_gradient_bitwise(policy_name: str, transform: str) -> None:
+    """`f(x, x, w)`: eager code has one tensor, whose gradient gathers every use's term in
+    one place, in autograd's order; remat traces such a call with one stand-in for both
+    arguments, so its terms add in that order too (bfloat16, bitwise)."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, cot = (torch.randn(*shape, generator=gen).to(torch.bfloat16) for shape in ((3, 4), (4, 4), (3, 4)))
+
+    def run(region: Fn) -> Any:
+        def loss(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return (region(x, x, w) * cot).sum()
+
+        if transform == "backward":
+            a, b = x.clone().requires_grad_(), w.clone().requires_grad_()
+            loss(a, b).backward()
+            return a.grad, b.grad
+        if transform == "grad":
+            return torch.func.grad(loss, argnums=(0, 1))(x, w)
+        return torch.func.vmap(torch.func.grad(loss, argnums=(0, 1)), in_dims=(0, None))(torch.stack([x, -x]), w)
+
+    expected, actual = run(_two_uses), run(remat(_two_uses, policy=CHANNEL_POLICIES[policy_name]))
+    assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+
+
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+@pytest.mark.parametrize("second", ["itself", "a row", "its transpose"])
+def test_a_write_into_one_argument_is_seen_through_another_that_shares_its_memory(
+    policy_name: str, second: str
+) -> None:
+    """`f(x, x, w)`, `f(x, x[0], w)`, `f(x, x.T, w)` writing into the second argument: eager
+    code reads the write through the first. One tensor passed twice is one input of the
+    graph; tensors that share memory otherwise make the region run as it is."""
+    def f(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        b.mul_(2)
+        return torch.tanh((a + b) @ w)
+
+    def run(region: Fn) -> tuple[torch.Tensor, ...]:
+        x = torch.arange(9, dtype=D).reshape(3, 3) / 9
+        w = torch.linspace(-1, 1, 9, dtype=D).reshape(3, 3).requires_grad_()
+        b = {"itself": x, "a row": x[0], "its transpose": x.T}[second]
+        out = region(x, b, w)
+        out.sum().backward()
+        return out, x, w.grad
+
+    expected = run(f)
+    for _ in range(2):  # the trace's call, then a cached plan's
+        actual = run(remat(f, policy=CHANNEL_POLICIES[policy_name]))
+        assert all(torch.equal(a, e) for a, e in zip(actual, expected, strict=True))
+
+
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+def test_a_buffer_two_calls_update_gives_each_call_s_backward_the_value_it_read(policy_name: str) -> None:
+    """A region that updates a buffer with grad off and reads it, called twice before one
+    backward: eager autograd refuses (the first call's saved buffer was changed in place
+    since); remat keeps what a write with grad off computes as a value of the call, so each
+    call's backward reads what it read, as eager code reading a copy of the buffer does."""
+    def make(copy: bool) -> tuple[Fn, torch.Tensor]:
+        stats = torch.ones(4, dtype=D)
+
+        def f(x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                stats.mul_(0.9).add_(x.mean(0) * 0.1)
+            return torch.tanh(x) * (stats.clone() if copy else stats)
+
+        return f, stats
+
+    def run(region: Fn) -> tuple[torch.Tensor, ...]:
+        x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(0)).requires_grad_()
+        (region(x) + region(x * 2)).sum().backward()
+        return (x.grad,)
+
+    f, _ = make(copy=False)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(f)
+    f, expected_stats = make(copy=True)
+    expected = run(f)
+    f, stats = make(copy=False)
+    actual = run(remat(f, policy=CHANNEL_POLICIES[policy_name]))
+    assert_close((actual, stats), (expected, expected_stats), rtol=0, atol=0)
+
+
+# --- tensor subclasses -------------------------------------------------------------------
+
+
+class _DoubledTanh(torch.Tensor):
+    """A `__torch_function__` subclass whose Python changes what an op gives: `tanh` doubled."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out * 2 if func is torch.tanh else out
+
+
+class _OwnParameter(torch.nn.Parameter):
+    """A Parameter subclass (as quantization libraries make): torch functions see a plain tensor."""
+
+
+def _tanh_layer(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w) * w.sum()
+
+
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+@pytest.mark.parametrize("where", ["argument", "captured"])
+def test_a_torch_function_subclass_runs_its_python_as_in_eager_code(policy_name: str, where: str) -> None:
+    """A tensor subclass with its own `__torch_function__` runs Python on every torch call
+    that a trace of plain tensors would leave out: the region runs replayed (its Python
+    again in backward, with the subclass), saying so; under a torch.func transform it is
+    refused, naming the tensor."""
+    gen = torch.Generator().manual_seed(0)
+    x0, w0 = torch.randn(3, 4, dtype=D, generator=gen), torch.randn(4, 4, dtype=D, generator=gen)
+
+    def run(region: Callable[[Fn], Fn]) -> tuple[torch.Tensor, ...]:
+        x = x0.clone().as_subclass(_DoubledTanh).requires_grad_()
+        w = w0.clone().requires_grad_()
+        if where == "argument":
+            out = region(_tanh_layer)(x, w)
+        else:
+            out = region(lambda w: _tanh_layer(x, w))(w)
+        out.sum().backward()  # on a subclass tensor: the whole backward runs with subclasses' own off
+        return out.as_subclass(torch.Tensor).detach(), x.grad, w.grad
+
+    expected = run(lambda fn: fn)
+    with pytest.warns(remat_package.RematFallbackWarning, match="a tensor subclass with its own __torch_function__"):
+        actual = run(lambda fn: remat(fn, policy=CHANNEL_POLICIES[policy_name]))
+    assert_close(actual, expected, rtol=0, atol=0)
+    x = x0.as_subclass(_DoubledTanh)
+    with pytest.raises(RematTraceError, match=r"x is a _DoubledTanh, a tensor subclass with its own __torch_fu"):
+        torch.func.grad(lambda w: remat(_tanh_layer)(x, w))(w0)
+
+
+def test_a_parameter_subclass_is_traced_as_a_parameter() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 4, dtype=D, generator=gen), torch.randn(4, 4, dtype=D, generator=gen)
+    own, plain = _OwnParameter(w.clone()), torch.nn.Parameter(w.clone())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", remat_package.RematFallbackWarning)
+        remat(_tanh_layer)(x, own).sum().backward()
+    _tanh_layer(x, plain).sum().backward()
+    assert torch.equal(own.grad, plain.grad)
+
+
 # --- what a policy runs -----------------------------------------------------------------
 
 

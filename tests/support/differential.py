@@ -67,6 +67,13 @@ GRADIENT_LAYOUTS = {
     "transposed": "(out.mT * cot.mT.contiguous()).sum()",
     "broadcast": "(out.sum() * 0.3)",
 }
+# How `main` calls the region, drawn (with weights) from a stream of its own, so that adding
+# it changed no program's other draws: on the inputs as they are; on the same values laid
+# out otherwise (x and w with transposed strides, y at a storage offset); twice, the second
+# time with x and y swapped (two autograd nodes add w's gradient); chained (the first
+# output fed to a second call); with y's argument the x tensor itself (aliased inputs).
+CALL_PATTERNS = {"once": 4, "laid_out": 1, "twice": 1, "chained": 1, "aliased": 1}
+LAID_OUT = "x.mT.contiguous().mT, torch.cat([y.new_zeros(1, 4), y])[1:], w.mT.contiguous().mT"
 # vmap's randomness: "same" with a batched input to a functional random op raises without
 # remat too (both raise); an in-place fill of a batched tensor draws one row for all.
 RANDOMNESS = ("different", "same")
@@ -415,6 +422,18 @@ class _Builder:
         self.autocast_at = rng.choice(AUTOCAST_AT)
         self.randomness = rng.choice(RANDOMNESS)
         self.gradient_layout = random.Random(f"gradient layout {self.seed}").choice(list(GRADIENT_LAYOUTS))
+        patterns = random.Random(f"call pattern {self.seed}")
+        drawn_pattern = patterns.choices(list(CALL_PATTERNS), list(CALL_PATTERNS.values()))[0]
+        self.call_pattern = "once" if "call_pattern" in self.off else drawn_pattern  # shrink turns it off
+        if "buffer_update" in self.chosen and self.call_pattern in ("twice", "chained"):
+            # a second call changes the buffer the first call's backward reads: eager autograd
+            # refuses, remat reads each call's value (tests/contract/test_python_channels.py)
+            self.call_pattern = "once"
+        second_order = {"grad_grad", "double_backward"} & set(transforms)
+        if second_order and self.call_pattern == "chained" and self.precision != "float64":
+            # a gradient of a gradient through the second call, nonlinear in the first's output:
+            # not bitwise (README), and its low-precision rounding grows past any tolerance
+            self.call_pattern = "once"
 
         # What each transform differentiates (always x), and which inputs vmap batches.
         self.argnums = (0,) + tuple(i for i in (1, 2) if rng.random() < 0.5)
@@ -717,6 +736,8 @@ class _Builder:
             return "within bf16 rounding: a backward run inside the autocast block (README)"
         if {"grad_grad", "double_backward"} & set(self.transforms):
             return "within bf16 rounding: a second-order gradient in low precision (README)"
+        if self.precision == "autocast" and self.autocast_at != "body" and self.call_pattern in ("twice", "chained"):
+            return "within bf16 rounding: w used by two calls of the region in one autocast context (README)"
         if self.precision == "autocast" and (self.on("inplace") or self.on("inplace_view")):
             return "within bf16 rounding: an in-place op under autocast (README)"
         return "bitwise"
@@ -776,9 +797,9 @@ class _Builder:
         lines += ["    " + ln if ln else "" for ln in self.setup]
         lines += ["", "    def body(x, y, w):"] + [f"        {ln}" for ln in body]
         lines += ["", f"    f = remat.remat(body, policy={self.policy}) if use_remat else body", ""]
-        call = ["        out = f(x, y, w)"]
+        call = ["        " + line for line in self._call_lines(two)]
         if autocast and self.autocast_at == "main":
-            call = [f"        with {AUTOCAST}:", "    " + call[0]]
+            call = [f"        with {AUTOCAST}:", *("    " + line for line in call)]
         lines += [
             "    def main(x, y, w):",
             '        """The output the transforms differentiate, and the whole output as aux."""',
@@ -817,6 +838,19 @@ class _Builder:
             "    return transforms, observed, close",
         ]
         return "\n".join(lines) + "\n"
+
+    def _call_lines(self, two: bool) -> list[str]:
+        """How `main` calls the region `f` (see CALL_PATTERNS), leaving its result in `out`."""
+        if self.call_pattern == "laid_out":
+            return [f"out = f({LAID_OUT})  # the same values, laid out otherwise"]
+        if self.call_pattern == "twice":
+            added = "tuple(a + b for a, b in zip(first, second))" if two else "first + second"
+            return ["first, second = f(x, y, w), f(y, x, w)  # two calls", f"out = {added}"]
+        if self.call_pattern == "chained":
+            return ["first = f(x, y, w)", f"out = f({'first[0]' if two else 'first'}, y, w)  # an output fed back in"]
+        if self.call_pattern == "aliased":
+            return ["out = f(x, x, w)  # one tensor as two arguments"]
+        return ["out = f(x, y, w)"]
 
     def _transform(self, name: str, two: bool) -> list[str]:
         argnums = self.argnums if len(self.argnums) > 1 else self.argnums[0]
@@ -953,7 +987,7 @@ def shrink(seed: int) -> Result:
         return result
     kind = failure_kind(result.detail)
     off: frozenset[str] = frozenset()
-    knobs = ["policy"] + (["precision"] if result.precision != "float64" else [])
+    knobs = ["policy", "call_pattern"] + (["precision"] if result.precision != "float64" else [])
     for construct in sorted(result.constructs, key=lambda c: c in REQUIRES.values()) + knobs:
         trial = run_seed(seed, off | {construct})
         if trial.outcome not in harness.ACCEPTABLE and failure_kind(trial.detail) == kind:

@@ -124,18 +124,29 @@ def test_fast_and_general_split_agree_under_modes_and_transforms() -> None:
         _assert_same_split(two, x, w)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _assert_same_split(two, x, w)
-    keys = []
+    keys, labels = [], []
 
     def under(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        keys.append(_assert_same_split(two, x, w).key)
+        call = _assert_same_split(two, x, w)
+        keys.append(call.key)
+        labels[:] = call.key_labels()
         return (x * w).sum()
 
     torch.func.grad(under)(x.detach(), w)  # x wrapped at a grad level: needs grad there only
     torch.func.grad(torch.func.grad(lambda x: under(x, w)))(torch.tensor(1.5))
     torch.func.vmap(lambda x: under(x, w[0]))(torch.randn(2, 3))
-    assert len(keys) == 3 and all(k[-6] for k in keys)  # transforms were active
+    transforms, nested = labels.index("torch.func transforms"), labels.index("nested gradients")
+    assert len(keys) == 3 and all(k[transforms] for k in keys)  # transforms were active
     assert keys[0][1][-1] is True  # the wrapped x needs grad at its level
-    assert keys[1][-4] is True  # nested gradients
+    assert keys[1][nested] is True
+
+
+def test_fast_and_general_split_agree_on_one_tensor_passed_as_several_arguments() -> None:
+    x, w = torch.randn(3, 3, requires_grad=True), torch.randn(3, 3)
+    assert _assert_same_split(two, x, x).aliases == (0, 0)
+    assert _assert_same_split(variadic, x, w, x, w).aliases == (0, 1, 0, 1)
+    assert _assert_same_split(two, x, w).aliases is None
+    assert _assert_same_split(two, x, x).key != _assert_same_split(two, x, x.clone()).key
 
 
 def test_fast_path_declines_what_it_does_not_cover() -> None:
