@@ -788,6 +788,21 @@ def global_forward_hook_table(name: str) -> dict[int, Any]:
     return getattr(module, name)  # type: ignore[no-any-return]
 
 
+@functools.lru_cache(maxsize=1)
+def reparametrizing_hooks() -> tuple[type, ...]:
+    """The classes of torch's forward pre-hooks that recompute a module's weight from its
+    parameters and set it on the module before each forward: `torch.nn.utils.weight_norm`,
+    `spectral_norm` (which also steps its power iteration in place) and `torch.nn.utils.prune`
+    (torch 2.13 and 2.11; the modules share their names with functions of torch.nn.utils)."""
+    import importlib
+
+    return (
+        importlib.import_module("torch.nn.utils.weight_norm").WeightNorm,
+        importlib.import_module("torch.nn.utils.spectral_norm").SpectralNorm,
+        importlib.import_module("torch.nn.utils.prune").BasePruningMethod,
+    )
+
+
 def hook_registrations() -> int:
     """torch's count of hook handles made so far (every module and tensor hook takes one):
     unchanged since a moment, no hook was registered since."""

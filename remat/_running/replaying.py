@@ -482,37 +482,46 @@ def _has_storage(value: Any) -> bool:
     return type(value) in (torch.Tensor, torch.nn.Parameter) and value.layout == torch.strided and value.device.type != "meta"
 
 
+Key = tuple[torch.device, int]
+
+
 class _ExternalWrites(TorchDispatchMode):
     """While the region runs forward: the storages it allocates, and for each tensor it
     changes in place that it did not allocate, that storage's bytes before the first
     change (a tensor held by a module, a closure or the caller); for each generator it is
-    given explicitly, its state before its first draw."""
+    given explicitly, its state before its first draw. `sources`: for each storage the
+    region made or overwrote, the storages it did not make whose values that one's were
+    computed from."""
 
     def __init__(self, region: str, decisions: _ReplayDecisions | None) -> None:
         super().__init__()
         self.region = region
         self.decisions = decisions
-        self.made: set[tuple[torch.device, int]] = set()
-        self.before: dict[tuple[torch.device, int], tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self.made: set[Key] = set()
+        self.before: dict[Key, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
         self.generators: dict[int, tuple[torch.Generator, torch.Tensor]] = {}  # by id: (generator, state before)
+        self.sources: dict[Key, frozenset[Key]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         for generator in generators_of(args, kwargs):
             if id(generator) not in self.generators:
                 self.generators[id(generator)] = (generator, generator.get_state())
-        written = written_values(func, args, kwargs)
-        for tensor in optree.tree_leaves(written):  # type: ignore[arg-type]
-            if isinstance(tensor, torch.Tensor):
-                self._remember(func, tensor, overwrites(func))
-        out = func(*args, **kwargs)
+        written = [t for t in optree.tree_leaves(written_values(func, args, kwargs)) if isinstance(t, torch.Tensor)]  # type: ignore[arg-type]
+        overwritten = overwrites(func)
         given = {_storage_key(t) for t in optree.tree_leaves((args, kwargs)) if _has_storage(t)}  # type: ignore[arg-type]
+        unread = {_storage_key(t) for t in written if _has_storage(t)} if overwritten else set()  # `out=` is not read
+        sources = frozenset().union(*(self.sources.get(key, (key,)) for key in given - unread))
+        for tensor in written:
+            self._remember(func, tensor, overwritten, sources)
+        out = func(*args, **kwargs)
         for value in optree.tree_leaves(out):  # type: ignore[arg-type]
             if _has_storage(value) and _storage_key(value) not in given:  # new memory, not a view or a write
                 self.made.add(_storage_key(value))
+                self.sources[_storage_key(value)] = sources
         return out
 
-    def _remember(self, func: Any, tensor: torch.Tensor, overwritten: bool) -> None:
+    def _remember(self, func: Any, tensor: torch.Tensor, overwritten: bool, sources: frozenset[Key]) -> None:
         try:
             key = _storage_key(tensor)
         except (RuntimeError, NotImplementedError):
@@ -524,10 +533,13 @@ class _ExternalWrites(TorchDispatchMode):
             ) from None
         if self.decisions is not None:
             self.decisions.written(key)
-        if overwritten or key in self.made or key in self.before:
+        self.sources[key] = sources if overwritten else sources | self.sources.get(key, {key})
+        if (overwritten and key not in sources) or key in self.made or key in self.before:
             # a copy or a fill computes the same from the same inputs whatever the memory held: the
             # recompute starts from what the forward left (an FSDP all-gather the recompute does
-            # not repeat left the parameters there)
+            # not repeat left the parameters there). Not where what is written was computed from
+            # this memory's earlier values (spectral_norm's power iteration: `v` from `u`, then
+            # `u` from `v`, with `out=`): the recompute would start from the new ones
             return
         storage = tensor.untyped_storage()
         with dispatch_modes_off():  # remat's own copy: selective checkpointing's count of the region's ops skips it

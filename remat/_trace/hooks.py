@@ -33,6 +33,7 @@ from .._core.torch_internals import (
     calling_modules_through,
     global_forward_hook_table,
     hook_registrations,
+    reparametrizing_hooks,
 )
 
 _TABLES = ("_forward_pre_hooks", "_forward_hooks")  # a module's own, in the order _call_impl reads them
@@ -122,6 +123,15 @@ class HookRecorder:
 
     def record(self, stand_in: _StandIn, module: torch.nn.Module, arguments: tuple[Any, ...]) -> None:
         label = f"forward {'pre-' if 'pre' in stand_in.table else ''}hook {_name(stand_in.hook)} on {type(module).__name__}"
+        if "pre" in stand_in.table and isinstance(stand_in.hook, reparametrizing_hooks()):
+            raise RematTraceError(
+                f"the {label} sets the module's `{getattr(stand_in.hook, 'name', 'weight')}`, computed from its "
+                "parameters, before each forward (torch.nn.utils.weight_norm, spectral_norm or prune), and remat calls "
+                "a region's hooks after its graph, where the forward has read the old value. Such a region runs as "
+                "torch.utils.checkpoint runs it. To trace it, use torch.nn.utils.parametrizations.weight_norm or "
+                "spectral_norm (parametrizations, which remat traces), or make pruning permanent with "
+                "`torch.nn.utils.prune.remove`"
+            )
         leaves, spec = optree.tree_flatten(arguments, none_is_leaf=True)  # type: ignore[arg-type]
         kept: list[Any] = []
         outputs: list[int] = []

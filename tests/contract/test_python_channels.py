@@ -1106,6 +1106,61 @@ def test_a_full_backward_hook_inside_a_region_is_refused_naming_it() -> None:
         remat(block, fallback=False)(torch.randn(2, 4, dtype=D, requires_grad=True))
 
 
+def _reparametrized(kind: str) -> torch.nn.Module:
+    import torch.nn.utils.parametrizations as parametrizations
+    import torch.nn.utils.prune as prune
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 6, dtype=D), torch.nn.Tanh(), torch.nn.Linear(6, 4, dtype=D))
+    if kind == "weight_norm":
+        torch.nn.utils.weight_norm(block[0])
+    elif kind == "spectral_norm":
+        torch.nn.utils.spectral_norm(block[0])
+        torch.nn.utils.spectral_norm(block[2], n_power_iterations=2)
+    elif kind == "prune":
+        prune.l1_unstructured(block[0], "weight", amount=0.5)
+    elif kind == "parametrizations.spectral_norm":
+        parametrizations.spectral_norm(block[0])
+    else:
+        parametrizations.weight_norm(block[0])
+    return block
+
+
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+@pytest.mark.parametrize(
+    "kind", ["weight_norm", "spectral_norm", "prune", "parametrizations.spectral_norm", "parametrizations.weight_norm"]
+)
+def test_weights_reparametrized_before_each_forward_train_as_in_eager_code(kind: str, policy_name: str) -> None:
+    """torch.nn.utils.weight_norm, spectral_norm and prune set a module's weight, computed
+    from its parameters, in a forward pre-hook (spectral_norm also steps its power
+    iteration in place, with `out=`). remat calls a region's hooks after its graph, so such
+    a region runs replayed, its recompute starting from the vectors as they were before the
+    forward (torch.utils.checkpoint starts from the stepped ones: another gradient). The
+    parametrizations of torch.nn.utils.parametrizations are traced. Three optimizer steps:
+    outputs, gradients and buffers as without remat."""
+    def train(use_remat: bool) -> list[torch.Tensor]:
+        block = _reparametrized(kind)
+        step = remat(block, policy=CHANNEL_POLICIES[policy_name]) if use_remat else block
+        optimizer = torch.optim.SGD(block.parameters(), lr=0.1)
+        x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(1))
+        seen: list[torch.Tensor] = []
+        for _ in range(3):
+            optimizer.zero_grad()
+            out = step(x)
+            out.pow(2).sum().backward()
+            seen += [out.detach(), *(p.grad.clone() for p in block.parameters()), *(b.clone() for b in block.buffers())]
+            optimizer.step()
+        return seen
+
+    hooked = not kind.startswith("parametrizations")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        actual = train(use_remat=True)
+    said = [str(w.message) for w in caught if issubclass(w.category, remat_package.RematFallbackWarning)]
+    assert bool(said) == hooked and all("sets the module's `weight`" in text for text in said)
+    assert_close(actual, train(use_remat=False), rtol=1e-12, atol=1e-14)
+
+
 # ---------------------------------------------------------------- kernel switches
 
 
