@@ -229,13 +229,36 @@ def call_hooks(calls: Sequence[HookCall], values: Sequence[torch.Tensor], region
         tensors = iter(call.outputs)
         leaves = [values[next(tensors)] if leaf is TENSOR else leaf for leaf in call.leaves]
         arguments = optree.tree_unflatten(call.spec, leaves)
-        if not _unchanged(hook(module, *arguments), arguments, "pre" in call.table):
+        pre = "pre" in call.table
+        before = _tensor_state(module) if pre else None
+        if not _unchanged(hook(module, *arguments), arguments, pre):
             raise RematError(
                 f"remat({region}): the {call.label} returned a value, which in eager code replaces the "
                 "module's inputs or output. remat calls a region's hooks after its graph, so the replacement "
                 "cannot change what the graph computed. Make the change inside the module's forward, or "
                 "register the hook on a module outside the remat'd function."
             )
+        if before is not None and (changed := _changed_tensors(before, _tensor_state(module))):
+            raise RematError(
+                f"remat({region}): the {call.label} changes the module's {changed}, a tensor its forward may read, "
+                "before the forward. remat calls a region's hooks after its graph, so the graph has read it as it "
+                "was before the hook. Make the change inside the module's forward, or register the hook on a "
+                "module outside the remat'd function."
+            )
+
+
+def _tensor_state(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """The module's own tensors (parameters, buffers, tensor attributes), each by name with
+    its identity and version: what a forward pre-hook may change for the forward to read."""
+    found = {name: t for name, t in vars(module).items() if isinstance(t, torch.Tensor)}
+    for table in (module._parameters, module._buffers):
+        found.update((name, t) for name, t in table.items() if t is not None)
+    return {name: (id(t), t._version) for name, t in found.items()}
+
+
+def _changed_tensors(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> str:
+    """`attr`, `attr2` for the tensors rebound, added or changed in place in between."""
+    return ", ".join(f"`{name}`" for name in sorted(before.keys() | after.keys()) if before.get(name) != after.get(name))
 
 
 def forward_hooks(modules: Sequence[torch.nn.Module]) -> list[Any]:

@@ -1161,6 +1161,38 @@ def test_weights_reparametrized_before_each_forward_train_as_in_eager_code(kind:
     assert_close(actual, train(use_remat=False), rtol=1e-12, atol=1e-14)
 
 
+class _Gate(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4, dtype=D)
+        self.register_buffer("scale", torch.ones(4, dtype=D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.scale
+
+
+def _rebinds(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+    module.scale = args[0].detach().abs().mean(0)
+
+
+def _writes(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+    with torch.no_grad():
+        module.scale.copy_(args[0].abs().mean(0))
+
+
+@pytest.mark.parametrize("hook", [_rebinds, _writes], ids=lambda h: h.__name__)
+def test_a_pre_hook_that_changes_what_the_forward_reads_is_refused_naming_it(hook: Callable[..., None]) -> None:
+    """A forward pre-hook of a module inside a region that sets or writes a tensor of the
+    module: remat calls hooks after the region's graph, which has read the tensor as it
+    was, so the first call raises, naming the hook, the module and the tensor."""
+    gate = _Gate()
+    gate.register_forward_pre_hook(hook)
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4, dtype=D), gate)
+    x = torch.randn(3, 4, dtype=D)
+    with pytest.raises(RematError, match=rf"forward pre-hook `{hook.__name__}` on _Gate changes the module's `scale`"):
+        remat(block)(x)
+
+
 # ---------------------------------------------------------------- kernel switches
 
 
