@@ -507,7 +507,8 @@ class _ExternalWrites(TorchDispatchMode):
         for generator in generators_of(args, kwargs):
             if id(generator) not in self.generators:
                 self.generators[id(generator)] = (generator, generator.get_state())
-        written = [t for t in optree.tree_leaves(written_values(func, args, kwargs)) if isinstance(t, torch.Tensor)]  # type: ignore[arg-type]
+        leaves: list[Any] = optree.tree_leaves(written_values(func, args, kwargs))  # type: ignore[arg-type]
+        written = [t for t in leaves if isinstance(t, torch.Tensor)]
         overwritten = overwrites(func)
         given = {_storage_key(t) for t in optree.tree_leaves((args, kwargs)) if _has_storage(t)}  # type: ignore[arg-type]
         unread = {_storage_key(t) for t in written if _has_storage(t)} if overwritten else set()  # `out=` is not read

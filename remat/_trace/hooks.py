@@ -224,7 +224,7 @@ def call_hooks(calls: Sequence[HookCall], values: Sequence[torch.Tensor], region
     for call in calls:
         module = call.module()
         hook = call.hook(module) if module is not None else None
-        if hook is None:
+        if module is None or hook is None:
             continue
         tensors = iter(call.outputs)
         leaves = [values[next(tensors)] if leaf is TENSOR else leaf for leaf in call.leaves]
@@ -258,7 +258,8 @@ def _tensor_state(module: torch.nn.Module) -> dict[str, tuple[int, int]]:
 
 def _changed_tensors(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> str:
     """`attr`, `attr2` for the tensors rebound, added or changed in place in between."""
-    return ", ".join(f"`{name}`" for name in sorted(before.keys() | after.keys()) if before.get(name) != after.get(name))
+    names = sorted(before.keys() | after.keys())
+    return ", ".join(f"`{name}`" for name in names if before.get(name) != after.get(name))
 
 
 def forward_hooks(modules: Sequence[torch.nn.Module]) -> list[Any]:
