@@ -8,6 +8,7 @@ tensor that an enclosing torch.func transform differentiates is passed in, never
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dis
 import functools
@@ -431,13 +432,27 @@ def _walked_into(value: Any) -> bool:
     """Whether collect_captured looks inside `value` (see its visit)."""
     if isinstance(value, types.FunctionType):
         return not is_installed_code(value.__code__)
-    return isinstance(value, (torch.nn.Module, list, dict, tuple, functools.partial, types.MethodType)) or _is_user_object(value)
+    return (
+        isinstance(value, (torch.nn.Module, list, dict, tuple, functools.partial, types.MethodType))
+        or _is_user_object(value) or _is_user_class(value)
+    )
+
+
+def _is_user_class(value: Any) -> bool:
+    """A class of the user's code: the walk reads the numbers and strings it holds."""
+    return isinstance(value, type) and is_user_class(value)
 
 
 def _is_user_object(value: Any) -> bool:
-    """An instance of a class of the user's code with a `__dict__` (not a class or function):
-    the walk reads its attributes, where the user may keep tensors."""
+    """An instance of a class of the user's code with a `__dict__` (not a class or function),
+    or a namespace (`types.SimpleNamespace`, `argparse.Namespace`, where configurations are
+    kept): the walk reads its attributes, where the user may keep tensors and settings."""
+    if type(value) in _NAMESPACES:
+        return True
     return hasattr(value, "__dict__") and not isinstance(value, type) and is_user_class(type(value))
+
+
+_NAMESPACES = (types.SimpleNamespace, argparse.Namespace)
 
 
 class ModuleSnapshot:
@@ -756,6 +771,12 @@ def collect_captured(fn: Callable[..., Any]) -> Collected:
             attributes = vars(value)
             for k, item in attributes.items():
                 visit(item, f"{path}.{k}", _item_setter(attributes, k), depth + 1)
+        elif _is_user_class(value):  # a class of the user's code: the settings it holds (`Config.scale`)
+            is_plain = _IS_PLAIN
+            for klass in value.__mro__:
+                if klass is not object and is_user_class(klass):
+                    held = tuple((k, v) for k, v in vars(klass).items() if k[0] != "_" and is_plain[type(v)])
+                    flags.append((path, klass.__qualname__, held))
 
     visit(fn, "self" if isinstance(fn, torch.nn.Module) else "", None, 0)
     return found, paths, setters, tuple(flags)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import types
+from typing import Any
+
 import pytest
 import torch
 from torch.func import grad, vmap
@@ -210,6 +214,54 @@ def test_changing_a_captured_number_or_module_setting_retraces() -> None:
     norm.eps = 0.5
     assert_close(g(y), torch.nn.functional.layer_norm(y, (3,), norm.weight, norm.bias, 0.5))
     assert f.cache_info()["traces"] == 2 and g.cache_info()["traces"] == 2
+
+
+class _ClassSettings:
+    """Settings kept as class attributes, changed at run time (`_ClassSettings.scale = ...`)."""
+
+    scale = 2.0
+
+
+class _MoreClassSettings(_ClassSettings):
+    shift = 1.0
+
+
+SETTINGS = types.SimpleNamespace(scale=2.0)
+ARGS = argparse.Namespace(scale=2.0)
+
+
+def _read_namespace(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * SETTINGS.scale
+
+
+def _read_arguments(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * ARGS.scale
+
+
+def _read_class(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x) * _MoreClassSettings.scale + _MoreClassSettings.shift
+
+
+@pytest.mark.parametrize("fn", [_read_namespace, _read_arguments, _read_class], ids=lambda f: f.__name__)
+def test_a_setting_read_from_a_namespace_or_a_class_changed_between_calls_is_seen(fn: Any) -> None:
+    """A number read from a `types.SimpleNamespace`, an `argparse.Namespace` or a class of
+    the user's code (its own or a base's attribute) is part of what a plan depends on: a
+    call after it changed traces again, as eager code reads the new value."""
+    x = torch.linspace(-1, 1, 5, dtype=D)
+    region = remat(fn)
+    try:
+        for value in (2.0, 3.0, 0.5):
+            SETTINGS.scale = ARGS.scale = _ClassSettings.scale = value
+            _MoreClassSettings.shift = value - 1
+            a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+            out, expected = region(a), fn(b)
+            out.sum().backward()
+            expected.sum().backward()
+            assert torch.equal(out, expected) and torch.equal(a.grad, b.grad)
+    finally:
+        SETTINGS.scale = ARGS.scale = _ClassSettings.scale = 2.0
+        _MoreClassSettings.shift = 1.0
+    assert region.cache_info()["traces"] == 3
 
 
 def test_functional_call_over_a_rematerialized_module() -> None:
