@@ -60,6 +60,7 @@ from .._partition.compiling import NAMED_COPY, Decisions
 from .._partition.costs import nbytes_of, op_flops
 from .._trace.failures import user_line
 from .._trace.hooks import forward_hooks
+from .._trace.randomness import PythonRandomStates, python_random_states, set_python_random_states
 from .._trace.reachable import Snapshot, modules_reached, roots_of, roots_of_hooks
 
 # Where a replayed region's forward is: checkpoint entering its own hooks, or the region's code
@@ -178,8 +179,14 @@ def _contexts(
         # a name's copy is not made in the recompute; random draws are told apart by their count
         decisions.caching, cached = selective_checkpoint_contexts(decisions, (NAMED_COPY,), draws_random)
         caching, reading = (decisions.caching,), (_Diverging(cached, region), cached)
+    # The recompute runs inside backward, and `t.backward()` on a tensor subclass `t` runs the
+    # whole backward inside the subclass's `__torch_function__`, where subclasses' own are off:
+    # a region given a subclass with its own (one that changes what an op gives) would
+    # recompute other values than its forward computed, as torch.utils.checkpoint does. So the
+    # recompute handles `__torch_function__` as the forward did.
     seen = _SeenTorchFunctionState()
-    recomputing = _Entered(_SameTorchFunctionState(seen), recompute, _Rewound(writes), *reading)
+    as_seen = _Reentrant(lambda: torch_function_state(seen.state))
+    recomputing = _Entered(as_seen, recompute, _Rewound(writes), *reading)
     watching = () if observed is None else (observed(decisions, writes, weakref.ref(recomputing)),)  # innermost: sees ops first
     return _Entered(seen, forward, *caching, writes, *watching), recomputing
 
@@ -195,26 +202,6 @@ class _SeenTorchFunctionState:
 
     def __exit__(self, *exc: Any) -> None:
         return None
-
-
-class _SameTorchFunctionState:
-    """Runs the recompute with `__torch_function__` handled as in the forward. The
-    recompute runs inside backward, and `t.backward()` on a tensor subclass `t` runs the
-    whole backward inside the subclass's `__torch_function__`, where subclasses' own are
-    off: a region given a subclass with its own (one that changes what an op gives) would
-    recompute other values than its forward computed, as torch.utils.checkpoint does."""
-
-    def __init__(self, seen: _SeenTorchFunctionState) -> None:
-        self.seen = seen
-        self.entered: list[Any] = []
-
-    def __enter__(self) -> None:
-        manager = torch_function_state(self.seen.state)
-        manager.__enter__()
-        self.entered.append(manager)
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self.entered.pop().__exit__(*exc)
 
 
 class _Entered:
@@ -585,7 +572,9 @@ class _PythonState:
     they held when the forward started (a cache the forward filled is empty again), and
     afterwards what they held before the recompute. The forward hooks of its modules run
     in the recompute as in the forward (one that sets what the forward reads, as pruning's
-    and FSDP's do, must), and what the user's hooks reach is held the same way."""
+    and FSDP's do, must), and what the user's hooks reach is held the same way. Python's
+    `random` and numpy's global generator, too: the recompute draws what the forward drew
+    (a layer the forward skipped is skipped again), and they go on from where they were."""
 
     def __init__(self, fn: Callable[..., Any], roots: list[tuple[str, Any]]) -> None:
         modules = modules_reached(roots)
@@ -593,25 +582,30 @@ class _PythonState:
         self.roots = roots + roots_of_hooks(hooks)
         self.functions = [fn, *(hook for hook in hooks if isinstance(hook, types.FunctionType))]
         self.before: Snapshot | None = None
+        self.draws: PythonRandomStates | None = None
         self.tables = _TensorTables(modules)
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
         self.before = Snapshot.take(self.roots, self.functions)
+        self.draws = python_random_states()
         self.tables.forward_starts()
         yield
         self.tables.forward_ends()
 
     @contextlib.contextmanager
     def recompute(self) -> Iterator[None]:
-        now = Snapshot.take(self.roots, self.functions)
+        now, draws = Snapshot.take(self.roots, self.functions), python_random_states()
         if self.before is not None:
             self.before.restore()
+        if self.draws is not None:
+            set_python_random_states(self.draws)
         try:
             with self.tables.recompute():
                 yield
         finally:
             now.restore()
+            set_python_random_states(draws)
 
 
 _Held = list[tuple[dict[str, Any], dict[str, Any]]]  # (a module's parameter or buffer table, what it held)

@@ -9,7 +9,9 @@ stream after a call is where it would be without remat.
 from __future__ import annotations
 
 import operator
+import random
 import secrets
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -55,6 +57,35 @@ def state_shape(device: torch.device) -> tuple[int, ...]:
     if device.type == "cuda" and not torch.cuda.is_available():
         return (16,)
     return tuple(_generator(device, None).get_state().shape)
+
+
+PythonRandomStates = tuple[Any, Any]
+
+
+def python_random_states() -> PythonRandomStates:
+    """The states of Python's `random` module and of numpy's global generator (when numpy
+    is imported): draws from them (`random.random() < p` deciding to skip a layer,
+    `np.random.uniform`) are Python a graph cannot hold."""
+    numpy = sys.modules.get("numpy")
+    return random.getstate(), numpy.random.get_state() if numpy is not None else None
+
+
+def set_python_random_states(states: PythonRandomStates) -> None:
+    random.setstate(states[0])
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and states[1] is not None:
+        numpy.random.set_state(states[1])
+
+
+def python_random_drawn(before: PythonRandomStates) -> bool:
+    """Whether Python's or numpy's global generator drew since `before` was read."""
+    now = python_random_states()
+    if now[0] != before[0]:
+        return True
+    if now[1] is None or before[1] is None:
+        return now[1] is not before[1]
+    (kind, keys, position, *gauss), (kind_then, keys_then, position_then, *gauss_then) = now[1], before[1]
+    return (kind, position, gauss) != (kind_then, position_then, gauss_then) or bool((keys != keys_then).any())
 
 
 def global_generator_states() -> list[torch.Tensor]:

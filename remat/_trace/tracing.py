@@ -91,7 +91,7 @@ from .passes import (
     writes_out_of_place,
 )
 from .pipelines import stage_one_passes
-from .randomness import RNG_KEY, DrawTracker
+from .randomness import RNG_KEY, DrawTracker, python_random_drawn, python_random_states, set_python_random_states
 from .reachable import Snapshot, roots_of, stand_in_path
 from .recording import active_recorder, record_graph, traced_node
 from .records import Scope, StageOne
@@ -426,9 +426,20 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
             if units is not None:
                 units.start()
 
+        python_draws = python_random_states()
         try:
             gm = _recorded_or_traced(flat_fn, fakes, mode, restart=restart)
             rng_end = draws.end()
+            if python_random_drawn(python_draws):
+                set_python_random_states(python_draws)  # the call's own run draws them, as eager code would
+                raise RematTraceError(
+                    "it draws from Python's `random` module or numpy's global generator "
+                    "(`random.random() < p` deciding to skip a layer, `np.random.uniform`), which a graph cannot "
+                    "hold: a trace would keep the draw it saw for every call. Such a region runs as "
+                    "torch.utils.checkpoint runs it, its recompute drawing what its forward drew; under a torch.func "
+                    "transform it cannot run. To trace it, draw with torch (`torch.rand(())`) and use the value "
+                    "in tensor ops (`torch.where`), or make the decision outside the region"
+                )
         except Exception as error:
             before.restore()  # what the attempt changed held stand-ins; a replay runs the Python again
             failure = trace_failure(fn_name, error)

@@ -10,9 +10,11 @@ them against eager code, under every transform the channel meets.
 from __future__ import annotations
 
 import functools
+import random
 import warnings
 from typing import Any, Callable
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -958,6 +960,42 @@ def test_a_generator_state_set_from_outside_is_refused() -> None:
     with pytest.raises(RematTraceError, match=r"a state that no seed gives.*torch.manual_seed\(n\)"):
         remat(f, fallback=False)(x)
     assert torch.equal(torch.rand(2), expected)  # the trace left the stream as it was
+
+
+def _layer_drop(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    if random.random() < 0.5:  # LayerDrop as some libraries write it
+        return x * 1
+    return x + torch.tanh(x @ w)
+
+
+def _numpy_scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x @ w) * float(numpy.random.uniform(0.5, 1.5))
+
+
+@pytest.mark.parametrize("policy_name", list(CHANNEL_POLICIES))
+@pytest.mark.parametrize("fn", [_layer_drop, _numpy_scale], ids=lambda f: f.__name__)
+def test_a_draw_from_python_s_or_numpy_s_generator_runs_replayed_drawing_as_eager(fn: Fn, policy_name: str) -> None:
+    """Python's `random` and numpy's global generator are Python a graph cannot hold (a
+    trace would keep its draw for every call): the region runs replayed, saying so, and
+    its recompute draws what its forward drew (torch.utils.checkpoint draws anew there);
+    under a torch.func transform it is refused, naming the generators."""
+    def run(region: Fn) -> list[Any]:
+        random.seed(0)
+        numpy.random.seed(0)
+        w = torch.linspace(-1, 1, 16, dtype=D).reshape(4, 4).requires_grad_()
+        seen: list[Any] = []
+        for step in range(6):
+            x = torch.randn(3, 4, dtype=D, generator=torch.Generator().manual_seed(step)).requires_grad_()
+            out = region(x, w)
+            out.pow(2).sum().backward()
+            seen += [out.detach(), x.grad]
+        return [*seen, w.grad, random.random(), float(numpy.random.rand())]
+
+    with pytest.warns(remat_package.RematFallbackWarning, match="Python's `random` module or numpy's global generator"):
+        actual = run(remat(fn, policy=CHANNEL_POLICIES[policy_name]))
+    assert_close(actual, run(fn), rtol=0, atol=0)
+    with pytest.raises(RematTraceError, match="draws from Python's `random` module or numpy's global generator"):
+        torch.func.grad(lambda x: remat(fn)(x, torch.eye(4, dtype=D)).sum())(torch.ones(3, 4, dtype=D))
 
 
 # --- module hooks -----------------------------------------------------------------------
