@@ -144,7 +144,11 @@ class _GuardTracing(TorchFunctionMode):
     and values made by a custom torch.autograd.Function, whose forward traces but whose
     hand-written backward does not. Notes the grad mode of each call the function makes."""
 
-    _REFUSED = {torch.Tensor.numpy: ".numpy()", torch.Tensor.tolist: ".tolist()", torch.Tensor.__array__: "numpy conversion"}
+    _REFUSED = {
+        torch.Tensor.numpy: ".numpy()", torch.Tensor.tolist: ".tolist()", torch.Tensor.__array__: "numpy conversion",
+        torch.Tensor.__repr__: "printing a tensor (`print(x)`)",
+        torch.Tensor.__format__: "formatting a tensor (`f'{x}'`)",
+    }
     _DROPOUTS = {torch.nn.functional.dropout, torch.dropout}
     _DETACHES = {torch.Tensor.detach, torch.detach}
     _TENSOR_HOOKS = {
@@ -430,16 +434,6 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
         try:
             gm = _recorded_or_traced(flat_fn, fakes, mode, restart=restart)
             rng_end = draws.end()
-            if python_random_drawn(python_draws):
-                set_python_random_states(python_draws)  # the call's own run draws them, as eager code would
-                raise RematTraceError(
-                    "it draws from Python's `random` module or numpy's global generator "
-                    "(`random.random() < p` deciding to skip a layer, `np.random.uniform`), which a graph cannot "
-                    "hold: a trace would keep the draw it saw for every call. Such a region runs as "
-                    "torch.utils.checkpoint runs it, its recompute drawing what its forward drew; under a torch.func "
-                    "transform it cannot run. To trace it, draw with torch (`torch.rand(())`) and use the value "
-                    "in tensor ops (`torch.where`), or make the decision outside the region"
-                )
         except Exception as error:
             before.restore()  # what the attempt changed held stand-ins; a replay runs the Python again
             failure = trace_failure(fn_name, error)
@@ -450,6 +444,11 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
             as_called()  # the plan runs as the call began; the call sets the grad mode fn left
             draws.restore()
             _empty_caches_holding_stand_ins(fn_name, fn, made, fakes)
+            # Python's and numpy's generators as the call found them: the trace draws nothing
+            # eager code would (torch's fake process-group work draws an id from `random`)
+            python_drew = python_random_drawn(python_draws)
+            if python_drew:
+                set_python_random_states(python_draws)
         try:
             _refuse_stand_ins(fn_name, roots, out_info["static"], hooks.calls)
         except RematTraceError as error:
@@ -472,6 +471,15 @@ def capture(fn: Callable[..., Any], fn_name: str, call: Call, policy: Callable[.
     gm = stage_one_passes(gm, [needs_grad(t) and t.is_leaf for t in originals], functionalized, fn_name)
     mutated = outputs_for_mutations(gm, fn_name, inputs.paths, inputs.needs_grad)
     gm.recompile()
+    if python_drew:  # after the refusals that name an op (a process-group call draws too)
+        raise RematTraceError(
+            f"remat({fn_name}) draws from Python's `random` module or numpy's global generator "
+            "(`random.random() < p` deciding to skip a layer, `np.random.uniform`), which a graph cannot hold: "
+            "a trace would keep the draw it saw for every call. Such a region runs as torch.utils.checkpoint "
+            "runs it, its recompute drawing what its forward drew; under a torch.func transform it cannot run. "
+            "To trace it, draw with torch (`torch.rand(())`) and use the value in tensor ops (`torch.where`), "
+            "or make the decision outside the region."
+        )
     return StageOne(
         graph=gm,
         n_explicit=n_explicit,

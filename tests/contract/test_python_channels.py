@@ -998,6 +998,25 @@ def test_a_draw_from_python_s_or_numpy_s_generator_runs_replayed_drawing_as_eage
         torch.func.grad(lambda x: remat(fn)(x, torch.eye(4, dtype=D)).sum())(torch.ones(3, 4, dtype=D))
 
 
+@pytest.mark.parametrize("how", ["print", "format"])
+def test_printing_a_tensor_inside_a_region_prints_its_value(how: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Printing or formatting a tensor reads its value, which a trace on stand-ins does not
+    have (it would print a FakeTensor, once): the region runs replayed and prints what
+    eager code prints."""
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(x)
+        print(h.sum()) if how == "print" else print(f"{h.sum():.4f}")
+        return h * x
+
+    x = torch.linspace(-1, 1, 4, dtype=D, requires_grad=True)
+    f(x)
+    expected = capsys.readouterr().out
+    with pytest.warns(remat_package.RematFallbackWarning, match="printing a tensor|formatting a tensor"):
+        remat(f)(x)
+    printed = capsys.readouterr().out
+    assert printed.endswith(expected) and "FakeTensor" not in printed
+
+
 # --- module hooks -----------------------------------------------------------------------
 
 
